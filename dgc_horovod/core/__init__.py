@@ -1,0 +1,16 @@
+"""The framework-agnostic DGC core: no torch, tensorflow or horovod import in this package.
+
+Files follow one gradient: :mod:`accumulate` (clipping, momentum correction, masking) →
+:mod:`sparsify` (top-k) → :mod:`wire` (encode / decode) → :mod:`compressor` (the per-worker
+algorithm and its state), with :mod:`warmup` (sparsity schedule), :mod:`stats` and
+:mod:`backend` (the tensor interface, and its NumPy reference implementation).
+"""
+from dgc_horovod.core.backend import Backend, NumpyBackend
+from dgc_horovod.core.compressor import DGCCore, PLACEHOLDER_BYTES
+from dgc_horovod.core.config import DGCConfig
+from dgc_horovod.core.stats import CompressionStats
+from dgc_horovod.core.warmup import density_at
+from dgc_horovod.core.wire import WireFormatError
+
+__all__ = ["Backend", "NumpyBackend", "DGCCore", "DGCConfig", "CompressionStats", "density_at",
+           "WireFormatError", "PLACEHOLDER_BYTES"]

@@ -1,0 +1,110 @@
+"""The small tensor interface the DGC core is written against, and its NumPy implementation.
+
+The core (:mod:`accumulate`, :mod:`sparsify`, :mod:`wire`, :mod:`compressor`) never imports a
+framework; it calls these methods on flat (1-D) tensors. `NumpyBackend` is the reference used by
+the tests; the PyTorch and TensorFlow adapters provide their own. Methods ending in ``_`` update
+their first argument in place.
+"""
+import numpy as np
+
+__all__ = ["Backend", "NumpyBackend"]
+
+
+class Backend:
+    """Operations on flat tensors used by the DGC core. Every method must be implemented.
+
+    Conventions: "float tensor" = float32, "index tensor" = int64 (positions in a flat tensor),
+    "words" = int32. Scalars may be Python floats or 0-d tensors of the backend.
+    """
+
+    name = "abstract"
+
+    # --- shape and creation
+    def numel(self, x): raise NotImplementedError              # -> int
+    def zeros(self, n, like): raise NotImplementedError        # float32 zeros (n,)
+    def empty_indices(self, like): raise NotImplementedError   # int64 (0,)
+    def float32_flat(self, x): raise NotImplementedError       # float32 1-D copy of x
+    def is_floating(self, x): raise NotImplementedError        # -> bool
+    def all_finite(self, x): raise NotImplementedError         # -> bool
+    # --- arithmetic
+    def norm(self, x): raise NotImplementedError               # L2 norm, scalar
+    def minimum(self, a, b): raise NotImplementedError         # elementwise min of scalars
+    def mul_(self, x, a): raise NotImplementedError            # x *= a
+    def add_(self, x, y, alpha=1.0): raise NotImplementedError  # x += alpha * y
+    def abs(self, x): raise NotImplementedError
+    # --- selection
+    def topk_indices(self, x, k): raise NotImplementedError    # indices of the k largest of x
+    def kth_largest(self, x, k): raise NotImplementedError     # the k-th largest value, scalar
+    def sample(self, x, s, generator): raise NotImplementedError  # s entries drawn uniformly
+    def indices_where_ge(self, x, t): raise NotImplementedError  # positions where x >= t
+    def drop_zeros(self, idx, mag): raise NotImplementedError  # idx where mag > 0
+    def take(self, x, idx): raise NotImplementedError          # x[idx]
+    def scatter_(self, x, idx, vals): raise NotImplementedError  # x[idx] = vals
+    def fill_at_(self, x, idx, value): raise NotImplementedError  # x[idx] = value
+    def index_add_(self, x, idx, vals): raise NotImplementedError  # x[idx] += vals (idx unique)
+    # --- wire
+    def int32_tensor(self, values, like): raise NotImplementedError
+    def to_int32(self, idx): raise NotImplementedError
+    def float32_bits(self, x): raise NotImplementedError       # float32 -> int32 bit patterns
+    def bits_float32(self, w): raise NotImplementedError       # int32 bit patterns -> float32
+    def cat(self, xs): raise NotImplementedError
+    def slice(self, x, a, b): raise NotImplementedError
+    def to_list(self, x): raise NotImplementedError            # small tensor -> list of ints
+    def min_max(self, x): raise NotImplementedError            # -> (int, int)
+    def generator(self, seed): raise NotImplementedError       # random generator for sample()
+
+
+class NumpyBackend(Backend):
+    """Reference backend on NumPy arrays (float32 state, int64 indices)."""
+
+    name = "numpy"
+
+    def numel(self, x): return int(x.size)
+    def zeros(self, n, like=None): return np.zeros(n, dtype=np.float32)
+    def empty_indices(self, like=None): return np.zeros(0, dtype=np.int64)
+    def float32_flat(self, x): return np.asarray(x, dtype=np.float32).reshape(-1).copy()
+    def is_floating(self, x): return np.issubdtype(np.asarray(x).dtype, np.floating)
+    def all_finite(self, x): return bool(np.isfinite(x).all())
+    def norm(self, x): return np.float32(np.sqrt(np.dot(x, x, out=None)))
+    def minimum(self, a, b): return np.minimum(a, b)
+
+    def mul_(self, x, a):
+        x *= np.float32(a)
+
+    def add_(self, x, y, alpha=1.0):
+        if alpha == 1.0:
+            x += y
+        else:
+            x += np.float32(alpha) * y
+
+    def abs(self, x): return np.abs(x)
+
+    def topk_indices(self, x, k):
+        if k >= x.size:
+            return np.arange(x.size, dtype=np.int64)
+        return np.argpartition(-x, k - 1)[:k].astype(np.int64)
+
+    def kth_largest(self, x, k): return np.partition(x, x.size - k)[x.size - k]
+    def sample(self, x, s, generator): return x[generator.integers(0, x.size, size=s)]
+    def indices_where_ge(self, x, t): return np.flatnonzero(x >= t).astype(np.int64)
+    def drop_zeros(self, idx, mag): return idx[mag > 0]
+    def take(self, x, idx): return x[idx]
+
+    def scatter_(self, x, idx, vals):
+        x[idx] = vals
+
+    def fill_at_(self, x, idx, value):
+        x[idx] = value
+
+    def index_add_(self, x, idx, vals):
+        np.add.at(x, idx, vals)
+
+    def int32_tensor(self, values, like=None): return np.asarray(values, dtype=np.int64).astype(np.int32)
+    def to_int32(self, idx): return idx.astype(np.int32)
+    def float32_bits(self, x): return np.ascontiguousarray(x, dtype=np.float32).view(np.int32)
+    def bits_float32(self, w): return np.ascontiguousarray(w, dtype=np.int32).view(np.float32)
+    def cat(self, xs): return np.concatenate(xs)
+    def slice(self, x, a, b): return x[a:b]
+    def to_list(self, x): return [int(i) for i in x]
+    def min_max(self, x): return int(x.min()), int(x.max())
+    def generator(self, seed): return np.random.default_rng(seed)

@@ -1,0 +1,216 @@
+"""The DGC algorithm for one worker, on any backend: per-tensor state, compress, decompress.
+
+One gradient's path (Lin et al. 2018, Algorithm 1 with the techniques of §3):
+
+    compress:   g → [non-finite check] → clip (§3.2) → + weight decay → momentum correction
+                (§3.1): u ← m·u + g, v ← v + u → top-k of |v| (§5) → encode → clear sent
+                positions of v (and of u: momentum factor masking, §3.2)
+    exchange:   the framework adapter allgathers the payload (Horovod allgather)
+    decompress: decode every rank's payload and sum in rank order → divide by N → optimizer
+
+Tensors smaller than ``min_sparse_numel`` skip selection: their momentum-corrected velocity
+(u, or g + m·u with Nesterov) goes through Horovod's dense allreduce, which by linearity gives
+exactly momentum SGD on them.
+
+Non-finite gradients: a tensor whose local gradient has NaN/Inf is not accumulated (u and v stay
+as they were). Its rank sends an empty payload flagged FLAG_NONFINITE (or, for dense tensors, the
+NaN gradient itself); every rank then returns NaN for that tensor — as a dense allreduce would —
+and the ranks that had sent entries put them back into their residual, so nothing is lost. A
+loss-scaling skip (torch.amp GradScaler) therefore skips the step on every rank alike.
+"""
+import threading
+import time
+
+from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_local_norm,
+                                         momentum_correction, restore_sent)
+from dgc_horovod.core.config import DGCConfig
+from dgc_horovod.core.sparsify import k_for, select_topk
+from dgc_horovod.core.stats import CompressionStats
+from dgc_horovod.core.warmup import density_at
+from dgc_horovod.core import wire
+
+__all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES"]
+
+#: Bytes of the 1-element float32 placeholder a sparsified tensor sends through the stock allreduce.
+PLACEHOLDER_BYTES = 4
+
+
+class TensorState:
+    """DGC state of one gradient tensor on one worker.
+
+    Attributes: name (str), numel (int), sparse (bool: selected by top-k, else dense allreduce),
+    u (flat float32 velocity, or None when momentum is 0), v (flat float32 accumulated velocity,
+    the residual; None for dense tensors).
+    """
+
+    __slots__ = ("name", "numel", "sparse", "u", "v")
+
+    def __init__(self, name, numel, sparse, u, v):
+        self.name, self.numel, self.sparse, self.u, self.v = name, numel, sparse, u, v
+
+
+class SparseContext:
+    """What decompress needs of a compress call: the tensor, and what to restore on a discard."""
+
+    __slots__ = ("name", "numel", "indices", "values", "u_sent")
+
+    def __init__(self, name, numel, indices, values, u_sent):
+        self.name, self.numel = name, numel
+        self.indices, self.values, self.u_sent = indices, values, u_sent
+
+
+class DGCCore:
+    """Per-worker DGC: owns the config, the warm-up position, every tensor's state and the stats.
+
+    Args:
+        config (DGCConfig): the hyper-parameters.
+        backend (Backend): tensor operations (NumPy, PyTorch, TensorFlow).
+
+    Thread-safe: compress may be called from autograd threads.
+    """
+
+    def __init__(self, config, backend):
+        if not isinstance(config, DGCConfig):
+            raise TypeError(f"config must be a DGCConfig, got {type(config).__name__}")
+        self.config = config
+        self.B = backend
+        self.states = {}
+        self.epoch = 0.0
+        self._generator = backend.generator(config.seed)
+        self._lock = threading.Lock()
+        self._step_names = set()
+        self.step_stats = CompressionStats()
+        self.total_stats = CompressionStats()
+
+    # ----------------------------------------------------------------- warm-up
+    @property
+    def density(self):
+        """Density in force now (warm-up schedule of §3.3 at the current epoch)."""
+        c = self.config
+        return density_at(self.epoch, c.compress_ratio, c.warmup_epochs,
+                          c.warmup_initial_density, c.warmup_per_step)
+
+    def set_epoch(self, epoch):
+        """Set the warm-up position in epochs (float >= 0); call it on every rank alike."""
+        density_at(epoch, self.config.compress_ratio)  # validates
+        self.epoch = float(epoch)
+
+    def set_step(self, step, steps_per_epoch):
+        """Set the warm-up position from a global step count: epoch = step / steps_per_epoch."""
+        if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}")
+        self.set_epoch(step / steps_per_epoch)
+
+    # ----------------------------------------------------------------- state
+    def _state(self, name, grad):
+        numel = self.B.numel(grad)
+        st = self.states.get(name)
+        if st is None:
+            wire.check_numel(numel, name)
+            sparse = numel >= self.config.min_sparse_numel
+            u = self.B.zeros(numel, like=grad) if self.config.momentum > 0 else None
+            v = self.B.zeros(numel, like=grad) if sparse else None
+            st = self.states[name] = TensorState(name, numel, sparse, u, v)
+        elif st.numel != numel:
+            raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
+                             f"created for {st.numel}")
+        return st
+
+    def _count(self, st, selected, wire_bytes, nonfinite, seconds):
+        if st.name in self._step_names:        # a tensor seen again: a new step has begun
+            self._step_names.clear()
+            self.step_stats = CompressionStats()
+        if not self._step_names:
+            self.step_stats.steps = 1
+            self.total_stats.steps += 1
+        self._step_names.add(st.name)
+        for s in (self.step_stats, self.total_stats):
+            s.tensors += 1
+            s.sparse_tensors += int(st.sparse)
+            s.elements += st.numel
+            s.selected += selected
+            s.wire_bytes += wire_bytes
+            s.dense_bytes += 4 * st.numel
+            s.nonfinite_tensors += int(nonfinite)
+            s.compress_seconds += seconds
+            s.density = self.density
+
+    # ----------------------------------------------------------------- compress / decompress
+    def compress(self, name, grad, world_size, param=None):
+        """Accumulate a local gradient and produce what goes on the wire.
+
+        Args:
+            name (str): the tensor's name, identical on every rank.
+            grad: gradient tensor of the backend, any shape, floating dtype.
+            world_size (int): N, ranks taking part (for clipping).
+            param: the parameter (same shape), needed only with weight_decay > 0.
+        Returns:
+            ("dense", flat float32 tensor to allreduce, None) for small tensors, or
+            ("sparse", flat int32 payload to allgather, SparseContext).
+        Raises:
+            TypeError: grad is not a floating tensor. ValueError: its size changed, or it has more
+            than 2**31-1 elements. In both cases no state is modified.
+        """
+        B, c = self.B, self.config
+        if not B.is_floating(grad):
+            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
+                            f"got dtype {getattr(grad, 'dtype', type(grad))}")
+        t0 = time.perf_counter()
+        with self._lock:
+            st = self._state(name, grad)
+            g = B.float32_flat(grad)
+            if not B.all_finite(g):
+                if st.sparse:
+                    out = wire.encode(B, st.numel, B.empty_indices(like=g), B.zeros(0, like=g),
+                                      wire.FLAG_NONFINITE)
+                    result = ("sparse", out, SparseContext(name, st.numel, None, None, None))
+                    nbytes = wire.payload_bytes(0) + PLACEHOLDER_BYTES
+                else:
+                    result, nbytes = ("dense", g, None), 4 * st.numel
+                self._count(st, 0, nbytes, True, time.perf_counter() - t0)
+                return result
+            clip_by_local_norm(B, g, c.clip_norm, world_size)
+            if c.weight_decay:
+                add_weight_decay(B, g, B.float32_flat(param), c.weight_decay)
+            if not st.sparse:
+                v = B.zeros(st.numel, like=g)
+                momentum_correction(B, st.u, v, g, c.momentum, c.nesterov)
+                self._count(st, 0, 4 * st.numel, False, time.perf_counter() - t0)
+                return "dense", v, None
+            momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov)
+            k = k_for(st.numel, self.density)
+            idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
+            vals = B.take(st.v, idx)
+            u_sent = B.take(st.u, idx) if (c.momentum_masking and st.u is not None) else None
+            clear_sent(B, st.u, st.v, idx, c.momentum_masking)
+            payload = wire.encode(B, st.numel, idx, vals)
+            count = B.numel(idx)
+            self._count(st, count, wire.payload_bytes(count) + PLACEHOLDER_BYTES, False,
+                        time.perf_counter() - t0)
+            return "sparse", payload, SparseContext(name, st.numel, idx, vals, u_sent)
+
+    def decompress(self, gathered, ctx, world_size, average=True):
+        """Decode the allgathered payloads of a sparsified tensor into the dense update.
+
+        Args:
+            gathered: flat int32 tensor, Horovod's allgather of every rank's payload.
+            ctx (SparseContext): returned by :meth:`compress` for this tensor.
+            world_size (int): ranks in the allgather. average (bool): divide the sum by N.
+        Returns:
+            flat float32 tensor of ctx.numel elements, identical on every rank; all NaN if any
+            rank's gradient was non-finite (this rank's sent entries are then put back into v).
+        Raises:
+            WireFormatError: a malformed payload (names tensor and rank).
+        """
+        B = self.B
+        dense, nonfinite = wire.decode_sum(B, gathered, ctx.numel, world_size, ctx.name)
+        if nonfinite:
+            st = self.states[ctx.name]
+            if ctx.indices is not None:
+                with self._lock:
+                    restore_sent(B, st.u, st.v, ctx.indices, ctx.values, ctx.u_sent)
+            B.mul_(dense, float("nan"))
+            return dense
+        if average and world_size > 1:
+            B.mul_(dense, 1.0 / world_size)
+        return dense

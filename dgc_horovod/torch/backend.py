@@ -1,0 +1,52 @@
+"""`TorchBackend`: the DGC core's tensor interface on PyTorch tensors (CPU or CUDA)."""
+import torch
+
+from dgc_horovod.core.backend import Backend
+
+__all__ = ["TorchBackend"]
+
+
+class TorchBackend(Backend):
+    """PyTorch implementation of :class:`dgc_horovod.core.backend.Backend` (flat tensors)."""
+
+    name = "torch"
+
+    def numel(self, x): return x.numel()
+    def zeros(self, n, like): return torch.zeros(n, dtype=torch.float32, device=like.device)
+    def empty_indices(self, like): return torch.empty(0, dtype=torch.int64, device=like.device)
+    def float32_flat(self, x): return x.detach().reshape(-1).to(torch.float32, copy=True)
+    def is_floating(self, x): return isinstance(x, torch.Tensor) and x.is_floating_point()
+    def all_finite(self, x): return bool(torch.isfinite(x).all())
+    def norm(self, x): return torch.linalg.vector_norm(x)
+    def minimum(self, a, b): return torch.clamp(a, max=b)
+    def mul_(self, x, a): x.mul_(a)
+    def add_(self, x, y, alpha=1.0): x.add_(y, alpha=alpha)
+    def abs(self, x): return x.abs()
+    def topk_indices(self, x, k): return torch.topk(x, k, sorted=False).indices
+    def kth_largest(self, x, k): return torch.kthvalue(x, x.numel() - k + 1).values
+
+    def sample(self, x, s, generator):
+        return x[torch.randint(x.numel(), (s,), generator=generator).to(x.device)]
+
+    def indices_where_ge(self, x, t): return torch.nonzero(x >= t).view(-1)
+    def drop_zeros(self, idx, mag): return idx[mag > 0]
+    def take(self, x, idx): return x.index_select(0, idx)
+    def scatter_(self, x, idx, vals): x.index_copy_(0, idx, vals)
+    def fill_at_(self, x, idx, value): x.index_fill_(0, idx, value)
+    def index_add_(self, x, idx, vals): x.index_add_(0, idx.long(), vals)
+
+    def int32_tensor(self, values, like):
+        return torch.tensor(values, dtype=torch.int32, device=like.device)
+
+    def to_int32(self, idx): return idx.to(torch.int32)
+    def float32_bits(self, x): return x.contiguous().view(torch.int32)
+    def bits_float32(self, w): return w.contiguous().view(torch.float32)
+    def cat(self, xs): return torch.cat(xs)
+    def slice(self, x, a, b): return x[a:b]
+    def to_list(self, x): return x.tolist()
+
+    def min_max(self, x):
+        lo, hi = torch.aminmax(x)
+        return int(lo), int(hi)
+
+    def generator(self, seed): return torch.Generator().manual_seed(seed)
