@@ -1,0 +1,40 @@
+"""PyTorch adapter checks that need no launcher: construction errors and misuse."""
+import pytest
+import torch
+
+from dgc_horovod.core import DGCConfig
+from dgc_horovod.torch import DGC
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(compress_ratio=0.0), "compress_ratio"), (dict(compress_ratio=1.5), "compress_ratio"),
+    (dict(compress_ratio=float("nan")), "compress_ratio"), (dict(sample_ratio=0.0), "sample_ratio"),
+    (dict(sample_ratio=2.0), "sample_ratio"), (dict(momentum=1.0), "momentum"),
+    (dict(momentum=-0.1), "momentum"), (dict(clip_norm=-1.0), "clip_norm"),
+    (dict(min_sparse_numel=0), "min_sparse_numel"), (dict(warmup_epochs=-1), "warmup_epochs"),
+])
+def test_bad_arguments_name_the_argument(kwargs, arg):
+    with pytest.raises(ValueError, match=arg):
+        DGC(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, arg", [(dict(compress_ratio="0.1"), "compress_ratio"),
+                                         (dict(min_sparse_numel=1.5), "min_sparse_numel")])
+def test_wrong_types_name_the_argument(kwargs, arg):
+    with pytest.raises(TypeError, match=arg):
+        DGC(**kwargs)
+
+
+def test_config_or_kwargs_not_both():
+    with pytest.raises(TypeError, match="either"):
+        DGC(config=DGCConfig(), compress_ratio=0.01)
+
+
+def test_compress_outside_distributed_optimizer_explains_usage():
+    with pytest.raises(RuntimeError, match="DistributedOptimizer"):
+        DGC().compress(torch.zeros(3))
+
+
+def test_repr_shows_every_setting():
+    text = repr(DGC(compress_ratio=0.01, clip_norm=1.0))
+    assert "compress_ratio=0.01" in text and "clip_norm=1.0" in text and "sample_ratio" in text

@@ -1,0 +1,80 @@
+"""DGC with the stock horovod.torch.DistributedOptimizer under `horovodrun -np 2` (Gloo and MPI).
+
+One launch per controller runs every scenario of tests/workers/torch_worker.py; the tests below
+assert on what it recorded and, for Gloo, on Horovod's own timeline of the collectives.
+"""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from conftest import horovodrun, read_timeline
+
+DTYPE_BYTES = {"int32": 4, "float32": 4}
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def run(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    out, timeline = tmp / "results.json", tmp / "timeline.json"
+    horovodrun(["tests/workers/torch_worker.py", "--out", str(out)], launcher=request.param,
+               env={"HOROVOD_TIMELINE": str(timeline)})
+    return json.loads(out.read_text()), read_timeline(timeline)
+
+
+@pytest.mark.parametrize("variant", ["set_to_none", "zero_grad_false", "backward_passes_2",
+                                     "groups_2"])
+def test_parameters_bit_identical_after_20_steps(run, variant):
+    r = run[0]["identical"][variant]
+    assert r["identical"], "ranks diverged"
+    assert r["changed"] and r["finite"]
+    assert r["steps_counted"] == 20
+    # aux.* has no gradient on odd steps; its state exists all the same (Horovod sends zeros)
+    assert len(r["states"]) == 6
+    assert [n.rsplit(".", 2)[-2:] for n in r["sparse"]] == [["aux", "weight"], ["fc1", "weight"],
+                                                           ["fc2", "weight"]]
+    # density 0.01: k = 82 + 13 + 13 = 108; sampled selection stays within [k/2, k] per tensor
+    assert 41 + 7 + 7 <= r["selected_last_step"] <= 108
+
+
+@pytest.mark.parametrize("case", ["momentum_correction", "nesterov", "masking_equals_plain_sgd"])
+def test_ratio_one_equals_dense_sgd(run, case):
+    assert run[0]["equivalence"][case] < 1e-6
+
+
+def test_wire_bytes_match_statistics(run):
+    results, timeline = run
+    w = results["wire"]
+    sparse = set(w["sparse"])
+    gathered = [(n, d, s) for n, d, s in timeline if n.startswith("allgather.dgc.wire.")]
+    reduced = [(n, d, s) for n, d, s in timeline if n.startswith("allreduce.wire.")]
+    assert len(gathered) == 5 * len(sparse)              # one allgather per tensor per step
+    assert len(reduced) == 5 * len(w["numel"])          # Horovod's own allreduce, every tensor
+    for name, dtype, shape in reduced:
+        tensor = name[len("allreduce."):]
+        if tensor in sparse:
+            assert shape == [1], f"{name} carried {shape}, not the 1-element placeholder"
+        else:
+            assert math.prod(shape) == w["numel"][tensor]
+    allgather_bytes = sum(DTYPE_BYTES[d] * math.prod(s) for _, d, s in gathered)
+    allreduce_bytes = sum(DTYPE_BYTES[d] * math.prod(s) for _, d, s in reduced)
+    size = results["size"]
+    # every rank sends its payload once (the allgather output is the concatenation) and its
+    # allreduce input once: the per-rank statistics must add up to exactly that
+    assert sum(r["wire_bytes"] for r in w["per_rank"]) == allgather_bytes + size * allreduce_bytes
+    ratio = w["per_rank"][0]["dense_bytes"] / w["per_rank"][0]["wire_bytes"]
+    assert ratio > 20
+
+
+def test_nonfinite_step_skipped_on_every_rank_state_clean(run):
+    r = run[0]["nonfinite"]
+    assert r["skipped"] == [False, False, False, True, False, False, False, False]
+    assert r["states_finite"] and r["params_finite"] and r["identical"]
+
+
+def test_momentum_in_both_places_is_an_error(run):
+    msg = run[0]["momentum_twice"]
+    assert msg is not None and "momentum would be applied twice" in msg
+    assert "momentum=0" in msg

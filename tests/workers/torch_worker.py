@@ -1,0 +1,194 @@
+"""Runs under `horovodrun -np 2`: DGC with the stock horovod.torch.DistributedOptimizer.
+
+Each scenario trains a small model with real Horovod collectives and records facts that
+tests/test_torch_horovod.py asserts on. Rank 0 writes them as JSON to --out.
+"""
+import argparse
+import json
+import sys
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+from dgc_horovod.torch import DGC
+
+LR = 0.05
+
+
+class Net(torch.nn.Module):
+    """fc1.weight (8192) and fc2.weight (1280) are sparsified; biases and aux.bias stay dense.
+    aux is used on even steps only, so it has no gradient on odd steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 128)
+        self.fc2 = torch.nn.Linear(128, 10)
+        self.aux = torch.nn.Linear(128, 10)
+
+    def forward(self, x, use_aux=True):
+        h = F.relu(self.fc1(x))
+        out = self.fc2(h)
+        return out + self.aux(h) if use_aux else out
+
+
+def batches(steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g))
+            for _ in range(steps)]
+
+
+def make(prefix, compression, momentum=0.0, nesterov=False, **opt_kwargs):
+    torch.manual_seed(1234)
+    model = Net()
+    named = [(f"{prefix}.{n}", p) for n, p in model.named_parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum, nesterov=nesterov)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=named, compression=compression,
+                                   **opt_kwargs)
+    return model, opt
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def identical_across_ranks(model):
+    gathered = hvd.allgather(flat_params(model).unsqueeze(0), name="check.params")
+    return bool((gathered == gathered[0]).all())
+
+
+def train(model, opt, steps=20, zero="none", bpps=1, aux_every=2, data_seed=None, hook=None):
+    data = batches(steps * bpps, 100 + hvd.rank() if data_seed is None else data_seed)
+    for step in range(steps):
+        if zero == "none":
+            opt.zero_grad()                        # torch 2: sets grads to None
+        else:
+            model.zero_grad(set_to_none=False)     # keeps zero-filled .grad tensors
+        for j in range(bpps):
+            x, y = data[step * bpps + j]
+            loss = F.cross_entropy(model(x, use_aux=(step % aux_every == 0)), y)
+            if hook is not None:
+                loss = hook(step, loss)
+            loss.backward()
+        opt.step()
+
+
+def scenario_identical(results, prefix_base):
+    """Parameters bit-identical across ranks after 20 steps, for each Horovod usage pattern."""
+    variants = {
+        "set_to_none": dict(),
+        "zero_grad_false": dict(zero="zeros"),
+        "backward_passes_2": dict(bpps=2),
+        "groups_2": dict(),
+    }
+    out = {}
+    for name, kw in variants.items():
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+        opt_kw = {}
+        if name == "backward_passes_2":
+            opt_kw["backward_passes_per_step"] = 2
+        if name == "groups_2":
+            opt_kw["groups"] = 2
+        model, opt = make(f"{prefix_base}.{name}", dgc, **opt_kw)
+        before = flat_params(model).clone()
+        train(model, opt, **kw)
+        out[name] = {
+            "identical": identical_across_ranks(model),
+            "changed": bool((flat_params(model) != before).any()),
+            "finite": bool(torch.isfinite(flat_params(model)).all()),
+            "states": sorted(dgc.states),
+            "sparse": sorted(n for n, s in dgc.states.items() if s.sparse),
+            "selected_last_step": dgc.stats.selected,
+            "steps_counted": dgc.total_stats.steps,
+        }
+    results["identical"] = out
+
+
+def scenario_equivalence(results, prefix_base):
+    """compress_ratio=1.0: DGC + plain SGD equals dense (momentum) SGD through Horovod."""
+    out = {}
+    cases = {
+        "momentum_correction": (dict(momentum_masking=False), dict(momentum=0.9)),
+        "nesterov": (dict(momentum_masking=False, nesterov=True), dict(momentum=0.9, nesterov=True)),
+        "masking_equals_plain_sgd": (dict(momentum_masking=True), dict(momentum=0.0)),
+    }
+    for name, (dgc_kw, sgd_kw) in cases.items():
+        dgc = DGC(compress_ratio=1.0, momentum=0.9, warmup_epochs=0, min_sparse_numel=1, **dgc_kw)
+        m_dgc, o_dgc = make(f"{prefix_base}.{name}.dgc", dgc)
+        m_ref, o_ref = make(f"{prefix_base}.{name}.ref", hvd.Compression.none, **sgd_kw)
+        train(m_dgc, o_dgc, steps=8, aux_every=1)
+        train(m_ref, o_ref, steps=8, aux_every=1)
+        out[name] = float((flat_params(m_dgc) - flat_params(m_ref)).abs().max())
+    results["equivalence"] = out
+
+
+def scenario_wire(results, prefix):
+    """Per-rank statistics, to be compared with the Horovod timeline by the test."""
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+    model, opt = make(prefix, dgc)
+    train(model, opt, steps=5, aux_every=1)
+    st = dgc.total_stats
+    per_rank = hvd.allgather_object({"wire_bytes": st.wire_bytes, "dense_bytes": st.dense_bytes,
+                                     "selected": st.selected, "steps": st.steps})
+    sparse = sorted(n for n, s in dgc.states.items() if s.sparse)
+    results["wire"] = {"per_rank": per_rank, "sparse": sparse,
+                       "numel": {n: s.numel for n, s in dgc.states.items()}}
+
+
+def scenario_nonfinite(results, prefix):
+    """Rank 1 produces a NaN loss at step 3: every rank sees it, no state is poisoned."""
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+    model, opt = make(prefix, dgc)
+    data = batches(8, 100 + hvd.rank())
+    seen = []
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if step == 3 and hvd.rank() == 1:
+            loss = loss * float("nan")
+        loss.backward()
+        opt.synchronize()
+        bad = any(not torch.isfinite(p.grad).all() for p in model.parameters())
+        seen.append(bad)
+        if not bad:                                 # the loss-scaling skip, as GradScaler does
+            with opt.skip_synchronize():
+                opt.step()
+    states_finite = all(bool(torch.isfinite(t).all()) for s in dgc.states.values()
+                        for t in (s.u, s.v) if t is not None)
+    results["nonfinite"] = {"skipped": seen, "states_finite": states_finite,
+                            "identical": identical_across_ranks(model),
+                            "params_finite": bool(torch.isfinite(flat_params(model)).all()),
+                            "nonfinite_tensors": dgc.total_stats.nonfinite_tensors}
+
+
+def scenario_momentum_twice(results, prefix):
+    """Momentum in both DGC and the wrapped SGD is refused with a clear error (runs last)."""
+    model, opt = make(prefix, DGC(momentum=0.9), momentum=0.9)
+    x, y = batches(1, 7)[0]
+    try:
+        F.cross_entropy(model(x), y).backward()
+        results["momentum_twice"] = None
+    except ValueError as e:
+        results["momentum_twice"] = str(e)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    results = {"size": hvd.size()}
+    scenario_identical(results, "id")
+    scenario_equivalence(results, "eq")
+    scenario_wire(results, "wire")
+    scenario_nonfinite(results, "nf")
+    scenario_momentum_twice(results, "mt")
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
