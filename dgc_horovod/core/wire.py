@@ -106,5 +106,6 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>"):
         pos = end
     if pos != total:
         raise WireFormatError(f"DGC payload of tensor {name!r} has {total - pos} unexpected "
-                              f"trailing words after {world_size} ranks")
+                              f"trailing words after the payload of rank {world_size - 1} "
+                              f"(the last of {world_size} ranks)")
     return dense, nonfinite

@@ -1,0 +1,228 @@
+"""DGC for TensorFlow 2: a Horovod ``Compressor`` for ``hvd.DistributedGradientTape`` and the Keras
+``hvd.DistributedOptimizer`` (tf-keras, ``TF_USE_LEGACY_KERAS=1``).
+
+Usage::
+
+    import horovod.tensorflow as hvd
+    from dgc_horovod.tensorflow import DGC
+    dgc = DGC(compress_ratio=0.001, momentum=0.9)
+    tape = hvd.DistributedGradientTape(tape, compression=dgc)       # optimizer: SGD, momentum 0
+
+    import horovod.tensorflow.keras as hvd                           # TF_USE_LEGACY_KERAS=1
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1 * hvd.size()), compression=dgc)
+    model.fit(..., callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                              DGCWarmupCallback(dgc)])
+
+How it rides on stock Horovod (0.28.x, unmodified):
+
+* Horovod's ``allreduce_grads(grads, vars)`` (built by ``_make_allreduce_grads_fn`` for both the tape
+  and the Keras optimizer, and wrapped in a ``tf.function`` even in eager mode) calls
+  ``compress(grad)`` while it traces, with the gradient only. **Which variable is this?** DGC walks
+  up the Python stack at trace time to that ``allreduce_grads`` frame and finds the position j with
+  ``grads[j] is tensor``; ``vars[j]`` is the variable. Tracing runs on every rank in the same
+  order, so each variable gets the same state key and collective name everywhere (its
+  ``var.name``; a second distinct variable with the same name gets ``name#2``, never a shared state).
+* **State** (velocity u, residual v) is held by the framework-agnostic core in ``tf.Variable``s
+  created eagerly. The per-step work (accumulate, select, encode; later decode) runs eagerly in
+  ``tf.py_function`` ops placed in the traced graph, so Python-side settings such as the warm-up
+  density take effect without retracing.
+* **Exchange.** A sparsified tensor's payload goes through ``hvd.allgather`` (an op in the same
+  graph); Horovod's own allreduce gets a 1-element placeholder. Small tensors
+  (``min_sparse_numel``) send their momentum-corrected velocity through that allreduce instead.
+* ``tf.IndexedSlices`` gradients (embeddings) keep Horovod's own allgather path, untouched by DGC,
+  unless ``sparse_as_dense=True`` turns them into dense gradients, which DGC then compresses.
+* With a single process Horovod skips the reduction (and so DGC) entirely; DGC warns then, since the
+  optimizer would run without the momentum DGC provides.
+* Keras 3 (the default ``tf.keras`` of TF 2.21) breaks parts of ``horovod.tensorflow`` itself;
+  use tf-keras with ``TF_USE_LEGACY_KERAS=1`` (see README).
+"""
+import sys
+import warnings
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+from horovod.tensorflow.compression import Compressor
+
+from dgc_horovod.core import DGCConfig, DGCCore
+from dgc_horovod.tensorflow.backend import TFBackend
+
+__all__ = ["DGC", "DGCWarmupCallback", "set_epoch"]
+
+_HINT = ("pass it as compression= to horovod.tensorflow.DistributedGradientTape or to "
+         "horovod.tensorflow.keras.DistributedOptimizer; DGC keeps per-variable state and must know "
+         "which variable a gradient belongs to")
+_MAX_FRAMES = 80
+# Horovod's reduction function, as written and as converted by AutoGraph inside tf.function.
+_REDUCE_FRAMES = ("allreduce_grads", "tf__allreduce_grads")
+
+
+@tf.autograph.experimental.do_not_convert
+def _find_variable(tensor):
+    """(variable, op, process_set) of the Horovod reduction that is compressing ``tensor``."""
+    frame = sys._getframe(2)
+    op = process_set = None
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        local = frame.f_locals
+        if op is None and "process_set" in local and "op" in local:
+            op, process_set = local["op"], local["process_set"]
+        if frame.f_code.co_name in _REDUCE_FRAMES and "grads" in local and "vars" in local:
+            grads, variables = local["grads"], local["vars"]
+            if variables is None:
+                raise RuntimeError("Horovod reduced these gradients without their variables; "
+                                   + _HINT)
+            for j, g in enumerate(grads):
+                if g is tensor:
+                    return variables[j], op, process_set
+            raise RuntimeError("DGC could not match the gradient it was given (shape "
+                               f"{tensor.shape}) to one of the {len(grads)} gradients Horovod "
+                               "is reducing")
+        frame = frame.f_back
+    raise RuntimeError("dgc_horovod.tensorflow.DGC was called outside Horovod's gradient "
+                       "reduction; " + _HINT)
+
+
+class DGC(Compressor):
+    """Deep Gradient Compression as a Horovod TensorFlow compressor (Lin et al., ICLR 2018).
+
+    Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig`, or ``config=DGCConfig``.
+    Use one DGC object per optimizer / tape, created identically on every rank, with an optimizer
+    without momentum when DGC's momentum > 0 (DGC applies momentum correction itself).
+
+    Attributes: config, stats (last step's CompressionStats of this rank), total_stats, density,
+    states (per-variable TensorState, keyed by variable name).
+
+    Raises (while Horovod traces its reduction): RuntimeError when used outside
+    DistributedGradientTape / DistributedOptimizer or with op=Adasum; TypeError for a
+    non-floating gradient.
+    """
+
+    def __init__(self, config=None, **kwargs):
+        if config is not None and kwargs:
+            raise TypeError("pass either config=DGCConfig(...) or keyword arguments, not both")
+        self.config = config if config is not None else DGCConfig(**kwargs)
+        self._core = DGCCore(self.config, TFBackend())
+        self._names = {}        # variable ref -> unique state name
+        self._pending = {}      # state name -> SparseContext between compress and decompress
+        self._warned_single = False
+
+    # warm-up and statistics (same as the PyTorch adapter) ---------------------------------
+    def set_epoch(self, epoch):
+        """Set the warm-up position (epochs completed, float); call on every rank alike."""
+        self._core.set_epoch(epoch)
+
+    def set_step(self, step, steps_per_epoch):
+        """Set the warm-up position from a step count: epoch = step / steps_per_epoch."""
+        self._core.set_step(step, steps_per_epoch)
+
+    density = property(lambda self: self._core.density)
+    stats = property(lambda self: self._core.step_stats)
+    total_stats = property(lambda self: self._core.total_stats)
+    states = property(lambda self: self._core.states)
+
+    def _name_of(self, var):
+        key = var.ref()
+        if key not in self._names:
+            base = var.name
+            taken = set(self._names.values())
+            name, n = base, 1
+            while name in taken:
+                n += 1
+                name = f"{base}#{n}"
+            self._names[key] = name
+        return self._names[key]
+
+    # Horovod Compressor API ---------------------------------------------------------------
+    @tf.autograph.experimental.do_not_convert
+    def compress(self, tensor):
+        """Trace-time: place DGC's ops for ``tensor`` in the graph; return (to allreduce, ctx)."""
+        if not tensor.dtype.is_floating:
+            raise TypeError(f"DGC: gradients must be floating-point tensors, got {tensor.dtype}")
+        var, op, process_set = _find_variable(tensor)
+        if op is not None and op not in (hvd.Average, hvd.Sum):
+            raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
+        process_set = process_set if process_set is not None else hvd.global_process_set
+        world = process_set.size()
+        if world == 1 and not self._warned_single:
+            self._warned_single = True
+            warnings.warn("Horovod skips gradient reduction (and so DGC and its momentum "
+                          "correction) when only one process runs")
+        name = self._name_of(var)
+        numel = tensor.shape.num_elements()
+        if numel is None:
+            raise ValueError(f"DGC needs a static shape for the gradient of {name!r}, got "
+                             f"{tensor.shape}")
+        core, pending = self._core, self._pending
+        sparse = numel >= self.config.min_sparse_numel
+        average = op is None or op == hvd.Average
+
+        def run_compress(grad, param):
+            kind, out, ctx = core.compress(name, grad, world, param=param)
+            if kind == "sparse":
+                pending[name] = ctx
+            return tf.convert_to_tensor(out)
+
+        param = var if self.config.weight_decay else tf.zeros([0])
+        if not sparse:
+            velocity = tf.py_function(run_compress, [tensor, param], tf.float32)
+            return tf.cast(tf.reshape(velocity, tensor.shape), tensor.dtype), (None, tensor)
+        payload = tf.py_function(run_compress, [tensor, param], tf.int32)
+        payload.set_shape([None])
+        gathered = hvd.allgather(payload, name="DGCAllgather_" + _op_name(name),
+                                 process_set=process_set)
+        return tf.zeros([1], tensor.dtype), ((name, world, average, gathered), tensor)
+
+    @tf.autograph.experimental.do_not_convert
+    def decompress(self, tensor, ctx):
+        """Trace-time: decode the allgathered payloads (dense update), or pass a dense result."""
+        info, original = ctx
+        if info is None:
+            return tensor
+        name, world, average, gathered = info
+        core, pending = self._core, self._pending
+
+        def run_decompress(g, _placeholder):
+            return tf.convert_to_tensor(core.decompress(g, pending.pop(name), world, average))
+
+        dense = tf.py_function(run_decompress, [gathered, tensor], tf.float32)
+        return tf.cast(tf.reshape(dense, original.shape), original.dtype)
+
+    def __repr__(self):
+        return f"DGC({self.config!r})"
+
+
+def _op_name(name):
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def set_epoch(dgc, epoch):
+    """Custom training loops: set the warm-up position of ``dgc`` at the start of each epoch."""
+    dgc.set_epoch(epoch)
+
+
+try:
+    import tf_keras as _keras_for_callback
+except ImportError:     # pragma: no cover - tf-keras is what horovod.tensorflow.keras needs
+    _keras_for_callback = tf.keras
+
+
+class DGCWarmupCallback(_keras_for_callback.callbacks.Callback):
+    """Keras callback: drive DGC's sparsity warm-up by epoch (the analogue of Horovod's
+    LearningRateWarmupCallback). ``on_epoch_begin(epoch)`` calls ``dgc.set_epoch(epoch)``, and
+    ``on_epoch_end`` adds ``dgc_density`` and ``dgc_ratio`` (this rank's wire compression over the
+    epoch) to the logs."""
+
+    def __init__(self, dgc):
+        super().__init__()
+        self.dgc = dgc
+        self._start = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.dgc.set_epoch(epoch)
+        self._start = self.dgc.total_stats.copy()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and self._start is not None:
+            logs["dgc_density"] = self.dgc.density
+            logs["dgc_ratio"] = self.dgc.total_stats.since(self._start).ratio

@@ -1,0 +1,68 @@
+"""`TFBackend`: the DGC core's tensor interface on eager TensorFlow tensors.
+
+The core runs eagerly (inside ``tf.py_function`` when Horovod traces its reduction); every tensor
+it mutates in place is a ``tf.Variable`` created eagerly, i.e. outside any trace.
+"""
+import tensorflow as tf
+
+from dgc_horovod.core.backend import Backend
+
+__all__ = ["TFBackend"]
+
+
+def _col(idx):
+    return tf.reshape(tf.cast(idx, tf.int64), [-1, 1])
+
+
+class TFBackend(Backend):
+    """TensorFlow implementation of :class:`dgc_horovod.core.backend.Backend` (eager, flat)."""
+
+    name = "tensorflow"
+
+    def numel(self, x): return int(tf.size(x))
+
+    def zeros(self, n, like=None):
+        return tf.Variable(tf.zeros([n], tf.float32), trainable=False)
+
+    def empty_indices(self, like=None): return tf.zeros([0], tf.int64)
+
+    def float32_flat(self, x):
+        return tf.Variable(tf.reshape(tf.cast(x, tf.float32), [-1]), trainable=False)
+
+    def is_floating(self, x): return bool(getattr(x, "dtype", None) is not None and x.dtype.is_floating)
+    def all_finite(self, x): return bool(tf.reduce_all(tf.math.is_finite(x)))
+    def norm(self, x): return tf.norm(x)
+    def minimum(self, a, b): return tf.minimum(a, b)
+    def mul_(self, x, a): x.assign(x * a)
+
+    def add_(self, x, y, alpha=1.0):
+        x.assign_add(y if alpha == 1.0 else alpha * tf.convert_to_tensor(y))
+
+    def abs(self, x): return tf.abs(x)
+
+    def topk_indices(self, x, k):
+        return tf.cast(tf.math.top_k(tf.convert_to_tensor(x), k, sorted=False).indices, tf.int64)
+
+    def kth_largest(self, x, k): return tf.math.top_k(x, k, sorted=True).values[k - 1]
+
+    def sample(self, x, s, generator):
+        return tf.gather(x, generator.uniform([s], 0, int(tf.size(x)), dtype=tf.int64))
+
+    def indices_where_ge(self, x, t): return tf.reshape(tf.where(x >= t), [-1])
+    def drop_zeros(self, idx, mag): return tf.boolean_mask(idx, mag > 0)
+    def take(self, x, idx): return tf.gather(x, idx)
+    def scatter_(self, x, idx, vals): x.scatter_nd_update(_col(idx), vals)
+
+    def fill_at_(self, x, idx, value):
+        x.scatter_nd_update(_col(idx), tf.fill(tf.shape(idx), tf.constant(value, tf.float32)))
+
+    def index_add_(self, x, idx, vals): x.scatter_nd_add(_col(idx), vals)
+    def int32_tensor(self, values, like=None): return tf.constant(values, tf.int32)
+    def to_int32(self, idx): return tf.cast(idx, tf.int32)
+    def float32_bits(self, x): return tf.bitcast(tf.convert_to_tensor(x, tf.float32), tf.int32)
+    def bits_float32(self, w): return tf.bitcast(w, tf.float32)
+    def cat(self, xs): return tf.concat([tf.convert_to_tensor(x) for x in xs], 0)
+    def slice(self, x, a, b): return x[a:b]
+    def to_list(self, x): return [int(i) for i in x.numpy()]
+    def min_max(self, x): return int(tf.reduce_min(x)), int(tf.reduce_max(x))
+    def generator(self, seed): return tf.random.Generator.from_seed(seed)

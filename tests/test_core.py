@@ -1,0 +1,929 @@
+"""Tests of the framework-agnostic DGC core (`dgc_horovod.core`) and its PyTorch backend.
+
+Expected values come from the plain NumPy transcription of Lin et al. 2018 ("Deep Gradient
+Compression", ICLR 2018, arXiv:1712.01887) written at the top of this file, never from the core's
+own functions. N ranks are simulated in one process with one `DGCCore` per rank: Horovod's
+allgather is the concatenation of the ranks' payloads in rank order, its allreduce-average the
+rank-ordered sum divided by N.
+"""
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from dgc_horovod.core import (CompressionStats, DGCConfig, DGCCore, NumpyBackend,
+                              WireFormatError, density_at)
+from dgc_horovod.core import accumulate, wire
+from dgc_horovod.core.sparsify import select_topk
+from dgc_horovod.torch.backend import TorchBackend
+
+F32 = np.float32
+BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend()}
+BACKEND_NAMES = sorted(BACKENDS)
+
+# Wire format "DGC v1", as documented (4 header words, then c int32 indices, then c float32 bits).
+MAGIC = 0x44474301
+HEADER_WORDS = 4
+PLACEHOLDER = 4          # bytes of the 1-element fp32 placeholder a sparse tensor allreduces
+
+
+# ============================================================ NumPy transcription of the paper
+def ref_clip(g, clip_norm, world_size):
+    """Local gradient clipping (§3.2): g ← g · min(1, clip_norm·N^(-1/2) / ‖g‖₂)."""
+    if clip_norm is None:
+        return g.astype(F32)
+    threshold = clip_norm / math.sqrt(world_size)
+    norm = float(np.linalg.norm(g.astype(np.float64)))
+    return (g * F32(min(1.0, threshold / norm))).astype(F32) if norm > 0 else g.astype(F32)
+
+
+def ref_momentum_correction(u, v, g, m, nesterov=False):
+    """Momentum correction (§3.1, eq. 5–6), returns new (u, v):
+
+    m = 0:     v ← v + g                       (plain error feedback)
+    classic:   u ← m·u + g ;  v ← v + u
+    Nesterov:  u ← m·u + g ;  v ← v + g + m·u
+    """
+    if m == 0:
+        return u, (v + g).astype(F32)
+    u = (F32(m) * u + g).astype(F32)
+    v = (v + g + F32(m) * u) if nesterov else (v + u)
+    return u, v.astype(F32)
+
+
+def ref_clear_sent(u, v, idx, masking):
+    """Sent positions: v[idx] ← 0 always; momentum factor masking (§3.2): u[idx] ← 0 too."""
+    v = v.copy()
+    v[idx] = 0
+    if masking and u is not None:
+        u = u.copy()
+        u[idx] = 0
+    return u, v
+
+
+def ref_density(epoch, final, warmup_epochs=4, initial=0.25, per_step=False):
+    """Warm-up (§3.3): density(e) = initial·(final/initial)^(e/W) for e < W, final afterwards;
+    e = floor(epoch) (paper: once per epoch) or the fractional epoch (per_step)."""
+    e = epoch if per_step else math.floor(epoch)
+    if warmup_epochs == 0 or e >= warmup_epochs:
+        return final
+    return initial * (final / initial) ** (e / warmup_epochs)
+
+
+def ref_k(numel, density):
+    """Entries to send: k = ceil(density·numel), at least 1 (float noise near integers ignored)."""
+    x = density * numel
+    r = round(x)
+    return max(1, min(numel, r if abs(x - r) < 1e-6 else math.ceil(x)))
+
+
+def ref_topk(v, k):
+    """Exact top-k of |v| among its non-zero entries (stable order on ties)."""
+    order = np.argsort(-np.abs(v), kind="stable")[:k]
+    return order[v[order] != 0]
+
+
+def ref_payload(numel, idx, vals, flags=0):
+    """One rank's payload: [MAGIC, numel, c, flags, idx_0..idx_c-1, bits(val_0)..bits(val_c-1)]."""
+    idx = np.asarray(idx, dtype=np.int32)
+    bits = np.asarray(vals, dtype=F32).view(np.int32)
+    return np.concatenate([np.array([MAGIC, numel, idx.size, flags], dtype=np.int32), idx, bits])
+
+
+def ref_parse(words):
+    """Inverse of ref_payload for one rank: (numel, count, flags, indices int64, values f32)."""
+    words = np.asarray(words, dtype=np.int32)
+    magic, numel, c, flags = (int(x) for x in words[:4])
+    assert magic == MAGIC and words.size == 4 + 2 * c
+    return numel, c, flags, words[4:4 + c].astype(np.int64), words[4 + c:].view(F32)
+
+
+def ref_rank_order_sum(numel, contributions):
+    """Σ over ranks, rank 0 first, of each rank's sparse (idx, vals), in float32."""
+    out = np.zeros(numel, dtype=F32)
+    for idx, vals in contributions:
+        out[idx] += vals
+    return out
+
+
+def ref_sgd(w, buf, grad, lr, m=0.0, nesterov=False, weight_decay=0.0):
+    """Dense (momentum) SGD, as torch.optim.SGD: d ← g + λw; b ← m·b + d;
+    step = d + m·b (Nesterov) or b; w ← w − lr·step. Returns (w, buf)."""
+    d = grad + F32(weight_decay) * w
+    if m == 0:
+        return (w - F32(lr) * d).astype(F32), buf
+    buf = (F32(m) * buf + d).astype(F32)
+    step = d + F32(m) * buf if nesterov else buf
+    return (w - F32(lr) * step).astype(F32), buf
+
+
+class RefRank:
+    """One rank of DGC with exact top-k (Algorithm 1 + §3), in NumPy."""
+
+    def __init__(self, numel, m, nesterov, masking, clip_norm, world_size):
+        self.u = np.zeros(numel, F32)
+        self.v = np.zeros(numel, F32)
+        self.m, self.nesterov, self.masking = m, nesterov, masking
+        self.clip_norm, self.world_size = clip_norm, world_size
+
+    def step(self, g, k):
+        g = ref_clip(np.asarray(g, F32).reshape(-1), self.clip_norm, self.world_size)
+        self.u, self.v = ref_momentum_correction(self.u, self.v, g, self.m, self.nesterov)
+        idx = ref_topk(self.v, k)
+        vals = self.v[idx].copy()
+        self.u, self.v = ref_clear_sent(self.u, self.v, idx, self.masking)
+        return idx, vals
+
+
+# ============================================================ simulation helpers
+def to_backend(B, a):
+    a = np.array(a, copy=True)
+    return torch.from_numpy(a) if B.name == "torch" else a
+
+
+def to_np(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy().copy()
+    return np.array(x, copy=True)
+
+
+def make_ranks(world_size, backend, **cfg):
+    cfg.setdefault("warmup_epochs", 0)
+    return [DGCCore(DGCConfig(**cfg), BACKENDS[backend]) for _ in range(world_size)]
+
+
+def exchange(cores, name, grads, params=None, average=True):
+    """One step of tensor `name` on every simulated rank.
+
+    Returns (per-rank decompressed updates, per-rank compress outputs as NumPy, kind)."""
+    n = len(cores)
+    B = cores[0].B
+    params = params or [None] * n
+    outs = [core.compress(name, to_backend(B, g), n, param=None if p is None else to_backend(B, p))
+            for core, g, p in zip(cores, grads, params)]
+    kind = outs[0][0]
+    assert all(o[0] == kind for o in outs)
+    if kind == "sparse":
+        gathered = B.cat([o[1] for o in outs])          # allgather = concatenation in rank order
+        updates = [to_np(core.decompress(gathered, o[2], n, average))
+                   for core, o in zip(cores, outs)]
+    else:                                               # dense allreduce (average)
+        total = np.zeros_like(to_np(outs[0][1]))
+        for o in outs:
+            total += to_np(o[1])
+        if average:
+            total /= F32(n)
+        updates = [total.copy() for _ in cores]
+    return updates, [to_np(o[1]) for o in outs], kind
+
+
+def state_np(core, name):
+    st = core.states[name]
+    return (None if st.u is None else to_np(st.u)), (None if st.v is None else to_np(st.v))
+
+
+class Quadratic:
+    """Per-rank loss ½wᵀA_r w − b_rᵀw on a weight of `shape`: gradient A_r w − b_r (float32)."""
+
+    def __init__(self, world_size, shape, seed):
+        rng = np.random.default_rng(seed)
+        n = int(np.prod(shape))
+        self.shape = shape
+        self.A, self.b = [], []
+        for _ in range(world_size):
+            q = rng.standard_normal((n, n))
+            self.A.append((q @ q.T / n + 0.5 * np.eye(n)))
+            self.b.append(rng.standard_normal(n))
+        self.w0 = rng.standard_normal(shape).astype(F32)
+
+    def grads(self, w):
+        w = np.asarray(w, np.float64).reshape(-1)
+        return [(A @ w - b).astype(F32).reshape(self.shape) for A, b in zip(self.A, self.b)]
+
+
+def run_against_sgd(backend, world_size, dgc_cfg, sgd_kwargs, shape=(5, 8), steps=6, lr=0.05,
+                    reference="torch", seed=0):
+    """Train the Quadratic with DGC (update applied by plain SGD w ← w − lr·update) and with dense
+    SGD(**sgd_kwargs) on the averaged gradient; assert the weights agree after every step."""
+    prob = Quadratic(world_size, shape, seed)
+    cores = make_ranks(world_size, backend, **dgc_cfg)
+    wd = sgd_kwargs.get("weight_decay", 0.0)
+    w_dgc = prob.w0.copy()
+    w_t = torch.nn.Parameter(torch.from_numpy(prob.w0.copy()))
+    opt = torch.optim.SGD([w_t], lr=lr, **sgd_kwargs)
+    w_np, buf = prob.w0.copy(), np.zeros(shape, F32)
+    for _ in range(steps):
+        params = [w_dgc] * world_size if wd else None
+        updates, _, _ = exchange(cores, "w", prob.grads(w_dgc), params=params)
+        for u in updates[1:]:
+            assert np.array_equal(u, updates[0])
+        w_dgc = (w_dgc - F32(lr) * updates[0].reshape(shape)).astype(F32)
+        if reference == "torch":
+            opt.zero_grad()
+            w_t.grad = torch.from_numpy(np.mean(prob.grads(w_t.detach().numpy()), axis=0))
+            opt.step()
+            w_ref = w_t.detach().numpy()
+        else:
+            w_np, buf = ref_sgd(w_np, buf, np.mean(prob.grads(w_np), axis=0), lr,
+                                sgd_kwargs.get("momentum", 0.0), sgd_kwargs.get("nesterov", False),
+                                wd)
+            w_ref = w_np
+        np.testing.assert_allclose(w_dgc, w_ref, rtol=2e-5, atol=2e-6)
+    # the trajectory moved (a no-op update would not pass for the right reason)
+    assert not np.allclose(w_dgc, prob.w0, atol=1e-2)
+
+
+# ============================================================ DGCConfig: bad input
+@pytest.mark.parametrize("value,exc", [(0, ValueError), (0.0, ValueError), (1.5, ValueError),
+                                       (-0.1, ValueError), (float("nan"), ValueError),
+                                       ("x", TypeError), (None, TypeError)])
+def test_config_rejects_bad_compress_ratio(value, exc):
+    with pytest.raises(exc, match="compress_ratio"):
+        DGCConfig(compress_ratio=value)
+
+
+@pytest.mark.parametrize("value,exc", [(0, ValueError), (1.01, ValueError), (-0.5, ValueError),
+                                       (float("nan"), ValueError), ("0.1", TypeError)])
+def test_config_rejects_bad_sample_ratio(value, exc):
+    with pytest.raises(exc, match="sample_ratio"):
+        DGCConfig(sample_ratio=value)
+
+
+@pytest.mark.parametrize("value,exc", [(1.0, ValueError), (1.5, ValueError), (-0.1, ValueError),
+                                       (float("nan"), ValueError), ("0.9", TypeError)])
+def test_config_rejects_bad_momentum(value, exc):
+    with pytest.raises(exc, match="momentum"):
+        DGCConfig(momentum=value)
+
+
+def test_config_accepts_boundaries():
+    c = DGCConfig(compress_ratio=1.0, sample_ratio=1.0, momentum=0.0)
+    assert (c.compress_ratio, c.sample_ratio, c.momentum) == (1.0, 1.0, 0.0)
+
+
+# ============================================================ warm-up (§3.3)
+def test_warmup_reproduces_paper_schedule():
+    # Paper: sparsity 75%, 93.75%, 98.4375%, 99.6%, 99.9% over 4 warm-up epochs. The geometric
+    # schedule 0.25 → 0.001 matches these densities to ~1% (largest deviation 1.2%, epoch 2).
+    paper_density = [1 - s for s in (0.75, 0.9375, 0.984375, 0.996, 0.999)]
+    got = [density_at(e, 0.001, warmup_epochs=4) for e in range(5)]
+    assert got == pytest.approx(paper_density, rel=0.015)
+    assert [1 - d for d in got] == pytest.approx([1 - d for d in paper_density], rel=1e-3)
+
+
+@pytest.mark.parametrize("epoch", [0, 0.5, 1, 1.99, 2, 3.7, 4, 4.5, 100])
+@pytest.mark.parametrize("final,W", [(0.001, 4), (0.01, 2.5), (0.1, 1)])
+def test_warmup_formula_floors_epoch(epoch, final, W):
+    assert density_at(epoch, final, warmup_epochs=W) == pytest.approx(
+        ref_density(epoch, final, W), rel=1e-12)
+
+
+@pytest.mark.parametrize("epoch", [0.25, 1.5, 2.75, 3.999])
+def test_warmup_per_step_uses_fractional_epoch(epoch):
+    got = density_at(epoch, 0.001, warmup_epochs=4, per_step=True)
+    assert got == pytest.approx(ref_density(epoch, 0.001, 4, per_step=True), rel=1e-12)
+    assert got < density_at(epoch, 0.001, warmup_epochs=4)       # strictly below the floored one
+
+
+def test_warmup_disabled_gives_final_density():
+    assert density_at(0, 0.001, warmup_epochs=0) == 0.001
+    assert DGCCore(DGCConfig(warmup_epochs=0), BACKENDS["numpy"]).density == 0.001
+
+
+def test_warmup_rejects_negative_epoch():
+    core = DGCCore(DGCConfig(), BACKENDS["numpy"])
+    with pytest.raises(ValueError, match="epoch"):
+        core.set_epoch(-1)
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+def test_core_density_follows_set_step(per_step):
+    core = DGCCore(DGCConfig(warmup_per_step=per_step), BACKENDS["numpy"])
+    for step in (0, 3, 10, 25, 39, 40, 100):
+        core.set_step(step, 10)
+        assert core.density == pytest.approx(ref_density(step / 10, 0.001, 4, per_step=per_step),
+                                             rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_sent_count_follows_warmup(backend):
+    n = 20000
+    core = DGCCore(DGCConfig(exact_topk=True, min_sparse_numel=1), BACKENDS[backend])
+    rng = np.random.default_rng(0)
+    for epoch in range(6):
+        core.set_epoch(epoch)
+        _, payload, _ = exchange([core], "w", [rng.standard_normal(n).astype(F32)])
+        assert ref_parse(payload[0])[1] == ref_k(n, ref_density(epoch, 0.001, 4))
+
+
+# ============================================================ backend primitives
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_backend_selection_primitives(backend):
+    B, rng = BACKENDS[backend], np.random.default_rng(20)
+    x = rng.permutation(np.arange(1, 201)).astype(F32)            # distinct values 1..200
+    xb = to_backend(B, x)
+    for k in (1, 2, 17, 199, 200):
+        assert float(B.kth_largest(xb, k)) == np.sort(x)[-k]
+        np.testing.assert_array_equal(np.sort(x[to_np(B.topk_indices(xb, k))]), np.sort(x)[-k:])
+    np.testing.assert_array_equal(np.sort(to_np(B.indices_where_ge(xb, 190.0))),
+                                  np.sort(np.flatnonzero(x >= 190)))
+    s = to_np(B.sample(xb, 50, B.generator(0)))
+    assert s.shape == (50,) and np.isin(s, x).all()
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_backend_state_primitives(backend):
+    B = BACKENDS[backend]
+    x = np.array([1.0, -2.0, 3.0, 0.0, 5.0], F32)
+    idx = to_backend(B, np.array([4, 0], np.int64))
+    y = to_backend(B, x)
+    B.fill_at_(y, idx, 0.0)
+    np.testing.assert_array_equal(to_np(y), [0, -2, 3, 0, 0])
+    B.scatter_(y, idx, to_backend(B, np.array([7.0, 8.0], F32)))
+    np.testing.assert_array_equal(to_np(y), [8, -2, 3, 0, 7])
+    B.index_add_(y, idx, to_backend(B, np.array([1.0, 1.0], F32)))
+    np.testing.assert_array_equal(to_np(y), [9, -2, 3, 0, 8])
+    np.testing.assert_array_equal(to_np(B.drop_zeros(to_backend(B, np.arange(5)), B.abs(y))),
+                                  [0, 1, 2, 4])
+    assert float(B.norm(to_backend(B, x))) == pytest.approx(np.sqrt(39.0), rel=1e-6)
+    assert B.min_max(to_backend(B, np.array([3, -1, 9], np.int32))) == (-1, 9)
+    assert B.all_finite(to_backend(B, x))
+    assert not B.all_finite(to_backend(B, np.array([1.0, np.inf], F32)))
+    assert not B.all_finite(to_backend(B, np.array([np.nan, 1.0], F32)))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_backend_float32_bits_round_trip(backend):
+    B = BACKENDS[backend]
+    x = np.array([0.0, -0.0, 1.5, -3.25e-38, 3.4e38, 1e-45, np.inf, np.nan], F32)
+    bits = to_np(B.float32_bits(to_backend(B, x)))
+    assert bits.dtype == np.int32
+    np.testing.assert_array_equal(bits, x.view(np.int32))
+    assert to_np(B.bits_float32(to_backend(B, bits))).tobytes() == x.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_torch_backend_accepts_other_float_dtypes(dtype):
+    g = torch.randn(300, generator=torch.Generator().manual_seed(21)).to(dtype)
+    kw = dict(compress_ratio=0.05, exact_topk=True, min_sparse_numel=1)
+    a = make_ranks(1, "torch", **kw)[0].compress("w", g, 1)
+    b = make_ranks(1, "torch", **kw)[0].compress("w", g.to(torch.float32), 1)
+    assert torch.equal(a[1], b[1])
+
+
+def test_torch_backend_rejects_integer_and_non_tensor():
+    B = BACKENDS["torch"]
+    assert not B.is_floating(torch.arange(3)) and not B.is_floating(np.zeros(3, F32))
+    assert B.is_floating(torch.zeros(3, dtype=torch.float16))
+
+
+# ============================================================ accumulation (§3.1, §3.2)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("m,nesterov", [(0.0, False), (0.9, False), (0.9, True), (0.5, True)])
+def test_momentum_correction_matches_equations(backend, m, nesterov):
+    B, rng = BACKENDS[backend], np.random.default_rng(1)
+    n = 50
+    u, v = to_backend(B, np.zeros(n, F32)), to_backend(B, np.zeros(n, F32))
+    ru, rv = np.zeros(n, F32), np.zeros(n, F32)
+    for _ in range(5):
+        g = rng.standard_normal(n).astype(F32)
+        accumulate.momentum_correction(B, u, v, to_backend(B, g), m, nesterov)
+        ru, rv = ref_momentum_correction(ru, rv, g, m, nesterov)
+        np.testing.assert_allclose(to_np(v), rv, rtol=1e-6, atol=1e-6)
+        if m:
+            np.testing.assert_allclose(to_np(u), ru, rtol=1e-6, atol=1e-6)
+        else:
+            assert not to_np(u).any()          # m = 0: no velocity is kept
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("world_size", [1, 4])
+@pytest.mark.parametrize("scale", [100.0, 0.01])
+def test_local_clipping_threshold(backend, world_size, scale):
+    B = BACKENDS[backend]
+    g = (np.random.default_rng(2).standard_normal(300) * scale).astype(F32)
+    got = to_np(accumulate.clip_by_local_norm(B, to_backend(B, g), 3.0, world_size))
+    np.testing.assert_allclose(got, ref_clip(g, 3.0, world_size), rtol=1e-5, atol=1e-9)
+    assert np.linalg.norm(got) <= 3.0 / math.sqrt(world_size) * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_clipping_happens_before_accumulation(backend):
+    # first step, no masking: u = clip(g) exactly as the paper clips before accumulating
+    N, g = 4, (np.random.default_rng(3).standard_normal(2000) * 10).astype(F32)
+    core = make_ranks(1, backend, clip_norm=1.0, momentum=0.9, momentum_masking=False,
+                      min_sparse_numel=1)[0]
+    core.compress("w", to_backend(core.B, g), N)
+    u, _ = state_np(core, "w")
+    np.testing.assert_allclose(u, ref_clip(g, 1.0, N), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("masking", [False, True])
+def test_sent_positions_are_cleared(backend, masking):
+    rng = np.random.default_rng(4)
+    n, m = 400, 0.9
+    core = make_ranks(1, backend, compress_ratio=0.05, exact_topk=True, momentum=m,
+                      momentum_masking=masking, min_sparse_numel=1)[0]
+    ref = RefRank(n, m, False, masking, None, 1)
+    for _ in range(3):
+        g = rng.standard_normal(n).astype(F32)
+        u_before, v_before = ref.u.copy(), ref.v.copy()
+        _, payload, _ = exchange([core], "w", [g])
+        idx = ref_parse(payload[0])[3]
+        u_corr, v_corr = ref_momentum_correction(u_before, v_before, g, m)
+        ref.step(g, ref_k(n, 0.05))
+        u, v = state_np(core, "w")
+        keep = np.setdiff1d(np.arange(n), idx)
+        assert not v[idx].any()                                        # v zeroed where sent
+        np.testing.assert_allclose(v[keep], v_corr[keep], rtol=1e-6, atol=1e-6)
+        if masking:
+            assert not u[idx].any()                                    # momentum factor masking
+        else:
+            np.testing.assert_allclose(u[idx], u_corr[idx], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(u[keep], u_corr[keep], rtol=1e-6, atol=1e-6)
+
+
+# ============================================================ selection (§5)
+def selection_cases():
+    rng = np.random.default_rng(1234)
+    for i in range(48):
+        n = int(rng.integers(100, 4000))
+        kind = i % 4
+        if kind == 0:
+            v = rng.standard_normal(n)
+        elif kind == 1:                                   # mostly zeros: nnz may be below k
+            v = rng.standard_normal(n) * (rng.random(n) < 0.03)
+        elif kind == 2:                                   # heavy ties and zeros
+            v = rng.integers(-3, 4, n).astype(float)
+        else:                                             # heavy tail
+            v = rng.standard_cauchy(n)
+        k = int(rng.integers(1, n // 2)) if i % 6 else int(rng.integers(n // 2, n + 1))
+        yield v.astype(F32), k, float(rng.choice([0.001, 0.01, 0.1, 1.0])), i
+
+
+def _select(backend, v, k, sample_ratio, seed, exact=False):
+    B = BACKENDS[backend]
+    idx = select_topk(B, to_backend(B, v), k, sample_ratio, exact, B.generator(seed))
+    return to_np(idx).astype(np.int64)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_selection_count_in_band(backend):
+    for v, k, sr, seed in selection_cases():
+        idx = _select(backend, v, k, sr, seed)
+        nnz = int(np.count_nonzero(v))
+        assert min(math.ceil(k / 2), nnz) <= idx.size <= min(k, nnz), (k, nnz, idx.size)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_selection_unique_and_never_zero(backend):
+    for v, k, sr, seed in selection_cases():
+        idx = _select(backend, v, k, sr, seed)
+        assert np.unique(idx).size == idx.size
+        assert np.all(v[idx] != 0)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_selection_is_a_top_set(backend):
+    # every sent magnitude is >= every unsent one (the sampled threshold never skips a larger one)
+    for v, k, sr, seed in selection_cases():
+        idx = _select(backend, v, k, sr, seed)
+        rest = np.delete(np.abs(v), idx)
+        if idx.size and rest.size:
+            assert np.abs(v[idx]).min() >= rest.max()
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_selection_of_k_is_exact_topk(backend):
+    hits = 0
+    for v, k, sr, seed in selection_cases():
+        idx = _select(backend, v, k, sr, seed)
+        if idx.size == k:
+            hits += 1
+            np.testing.assert_array_equal(np.sort(np.abs(v[idx])),
+                                          np.sort(np.abs(v[ref_topk(v, k)])))
+    assert hits >= 10        # the property was actually exercised
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("exact", [False, True])
+def test_selection_with_ties(backend, exact):
+    # 10 entries of magnitude 5, 1000 of magnitude 1 (signs mixed), 20 zeros; k = 40: the ten 5s
+    # are always sent, the rest are any of the tied 1s (count within the band [20, 40])
+    v = np.concatenate([np.full(10, 5.0), np.full(500, 1.0), np.full(500, -1.0), np.zeros(20)])
+    v = np.random.default_rng(5).permutation(v).astype(F32)
+    idx = _select(backend, v, 40, 0.05, 0, exact=exact)
+    assert np.unique(idx).size == idx.size and np.all(v[idx] != 0)
+    assert 20 <= idx.size <= 40
+    assert set(np.flatnonzero(np.abs(v) == 5)) <= set(idx)
+    if idx.size == 40:
+        np.testing.assert_array_equal(np.sort(np.abs(v[idx])), np.sort(np.abs(v[ref_topk(v, 40)])))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_exact_topk_mode(backend):
+    for v, k, sr, seed in selection_cases():
+        idx = _select(backend, v, k, sr, seed, exact=True)
+        assert idx.size == min(k, np.count_nonzero(v))
+        np.testing.assert_array_equal(np.sort(np.abs(v[idx])),
+                                      np.sort(np.abs(v[ref_topk(v, k)])))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("exact", [False, True])
+def test_all_zero_selects_nothing(backend, exact):
+    assert _select(backend, np.zeros(3000, F32), 30, 0.01, 0, exact=exact).size == 0
+
+
+# ============================================================ wire format
+def _rank_contributions(rng, numel, world_size):
+    """Random sparse (idx, vals) per rank; overlapping positions, first and last included."""
+    out = []
+    for r in range(world_size):
+        c = int(rng.integers(1, numel + 1))
+        idx = rng.choice(numel, size=c, replace=False)
+        if r == 0:
+            idx = np.unique(np.concatenate([idx, [0, numel - 1]]))
+            rng.shuffle(idx)                               # indices are unordered on the wire
+        vals = rng.standard_normal(idx.size).astype(F32)
+        vals[: idx.size // 3] = F32(1.5)                   # ties in value
+        out.append((idx.astype(np.int64), vals))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("shape", [(1,), (7,), (5, 6), (2, 3, 4), (2, 3, 4, 5)])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_wire_round_trip_sums_in_rank_order(backend, shape, world_size):
+    B, rng = BACKENDS[backend], np.random.default_rng(6)
+    numel = int(np.prod(shape))
+    contrib = _rank_contributions(rng, numel, world_size)
+    payloads = [wire.encode(B, numel, to_backend(B, i), to_backend(B, v)) for i, v in contrib]
+    gathered = B.cat(payloads)
+    dense, nonfinite = wire.decode_sum(B, gathered, numel, world_size, "t")
+    assert not nonfinite
+    np.testing.assert_array_equal(to_np(dense), ref_rank_order_sum(numel, contrib))
+    # and the dense tensor reshaped is the N-D sum at the flattened (C-order) positions
+    expect = np.zeros(shape, F32)
+    for i, v in contrib:
+        np.add.at(expect, np.unravel_index(i, shape), v)
+    np.testing.assert_allclose(to_np(dense).reshape(shape), expect, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_wire_encode_layout(backend):
+    B = BACKENDS[backend]
+    idx, vals = np.array([9, 0, 4], np.int64), np.array([-1.25, 3.0, 1e-30], F32)
+    got = to_np(wire.encode(B, 10, to_backend(B, idx), to_backend(B, vals)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, ref_payload(10, idx, vals))
+    assert got.nbytes == 16 + 8 * 3
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_wire_empty_selection_is_header_only(backend):
+    B = BACKENDS[backend]
+    empty = to_backend(B, np.zeros(0, np.int64)), to_backend(B, np.zeros(0, F32))
+    p = to_np(wire.encode(B, 100, *empty))
+    assert p.nbytes == 16
+    np.testing.assert_array_equal(p, [MAGIC, 100, 0, 0])
+    gathered = B.cat([wire.encode(B, 100, *empty), wire.encode(B, 100, *empty)])
+    dense, nonfinite = wire.decode_sum(B, gathered, 100, 2, "t")
+    assert not nonfinite and to_np(dense).shape == (100,) and not to_np(dense).any()
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_wire_nonfinite_flag_is_reported(backend):
+    B = BACKENDS[backend]
+    ok = wire.encode(B, 8, to_backend(B, np.array([3])), to_backend(B, np.array([2.0], F32)))
+    bad = wire.encode(B, 8, to_backend(B, np.zeros(0, np.int64)),
+                      to_backend(B, np.zeros(0, F32)), flags=1)
+    assert to_np(bad)[3] & 1
+    assert wire.decode_sum(B, B.cat([ok, bad]), 8, 2, "t")[1] is True
+    assert wire.decode_sum(B, B.cat([ok, ok]), 8, 2, "t")[1] is False
+
+
+def _valid_gathered(numel=12):
+    p0 = ref_payload(numel, [0, 5, 11], [1.0, -2.0, 3.0])
+    p1 = ref_payload(numel, [2, 7], [4.0, 5.0])
+    return np.concatenate([p0, p1]), p0.size
+
+
+CORRUPTIONS = {
+    "wrong_magic": lambda w, o: np.concatenate([w[:o], [0x44474302], w[o + 1:]]),
+    "wrong_numel": lambda w, o: np.concatenate([w[:o + 1], [13], w[o + 2:]]),
+    "negative_count": lambda w, o: np.concatenate([w[:o + 2], [-1], w[o + 3:]]),
+    "count_over_numel": lambda w, o: np.concatenate([w[:o + 2], [13], w[o + 3:]]),
+    "truncated_entries": lambda w, o: w[:-1],
+    "truncated_header": lambda w, o: w[:o + 2],
+    "index_out_of_range": lambda w, o: np.concatenate([w[:o + 4], [12], w[o + 5:]]),
+    "negative_index": lambda w, o: np.concatenate([w[:o + 5], [-1], w[o + 6:]]),
+    "trailing_words": lambda w, o: np.concatenate([w, [0]]),
+}
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_wire_malformed_payload_raises(backend, kind):
+    B = BACKENDS[backend]
+    words, o1 = _valid_gathered()
+    wire.decode_sum(B, to_backend(B, words), 12, 2, "layer3.weight")        # valid one decodes
+    bad = CORRUPTIONS[kind](words, o1).astype(np.int32)
+    with pytest.raises(WireFormatError) as info:
+        wire.decode_sum(B, to_backend(B, bad), 12, 2, "layer3.weight")
+    msg = str(info.value)
+    assert "layer3.weight" in msg
+    if kind != "trailing_words":          # see test_wire_trailing_words_message_names_rank
+        assert re.search(r"\brank 1\b", msg), msg
+
+
+def test_wire_trailing_words_message_names_rank():
+    B = BACKENDS["numpy"]
+    words, _ = _valid_gathered()
+    with pytest.raises(WireFormatError, match=r"\brank 1\b"):
+        wire.decode_sum(B, np.concatenate([words, [0]]).astype(np.int32), 12, 2, "layer3.weight")
+
+
+def test_wire_format_error_is_value_error():
+    assert issubclass(WireFormatError, ValueError)
+
+
+# ============================================================ DGCCore end to end
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("m,nesterov,masking,clip", [(0.0, False, False, None),
+                                                     (0.9, False, True, None),
+                                                     (0.9, False, False, 2.0),
+                                                     (0.9, True, True, 2.0)])
+def test_compress_decompress_matches_numpy_reference(backend, world_size, m, nesterov, masking,
+                                                     clip):
+    rng = np.random.default_rng(7)
+    shape, density = (6, 50), 0.05
+    n, k = 300, ref_k(300, density)
+    cores = make_ranks(world_size, backend, compress_ratio=density, exact_topk=True, momentum=m,
+                       nesterov=nesterov, momentum_masking=masking, clip_norm=clip,
+                       min_sparse_numel=1)
+    refs = [RefRank(n, m, nesterov, masking, clip, world_size) for _ in range(world_size)]
+    for _ in range(5):
+        grads = [rng.standard_normal(shape).astype(F32) for _ in range(world_size)]
+        updates, payloads, kind = exchange(cores, "fc.weight", grads)
+        assert kind == "sparse"
+        contrib = [ref.step(g, k) for ref, g in zip(refs, grads)]
+        expected = ref_rank_order_sum(n, contrib) / F32(world_size)
+        for r in range(world_size):
+            _, c, flags, idx, vals = ref_parse(payloads[r])
+            assert flags == 0 and c == k
+            assert set(idx) == set(contrib[r][0])
+            np.testing.assert_allclose(updates[r], expected, rtol=1e-5, atol=1e-6)
+            u, v = state_np(cores[r], "fc.weight")
+            np.testing.assert_allclose(v, refs[r].v, rtol=1e-5, atol=1e-6)
+            if m:
+                np.testing.assert_allclose(u, refs[r].u, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_all_ranks_decompress_identically(backend):
+    rng = np.random.default_rng(8)
+    cores = make_ranks(3, backend, compress_ratio=0.01, min_sparse_numel=1)   # sampled selection
+    for _ in range(3):
+        grads = [rng.standard_normal((50, 100)).astype(F32) for _ in range(3)]
+        updates, _, _ = exchange(cores, "w", grads)
+        assert np.any(updates[0])
+        for u in updates[1:]:
+            np.testing.assert_array_equal(u, updates[0])
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_average_divides_by_world_size(backend):
+    rng = np.random.default_rng(9)
+    N = 3
+    grads = [rng.standard_normal(1000).astype(F32) for _ in range(N)]
+    kw = dict(compress_ratio=0.02, exact_topk=True, min_sparse_numel=1)
+    avg, payloads, _ = exchange(make_ranks(N, backend, **kw), "w", grads, average=True)
+    total, _, _ = exchange(make_ranks(N, backend, **kw), "w", grads, average=False)
+    contrib = [ref_parse(p)[3:] for p in payloads]
+    np.testing.assert_array_equal(total[0], ref_rank_order_sum(1000, contrib))
+    np.testing.assert_allclose(avg[0], total[0] / N, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(840,), (4, 5, 6, 7)])
+def test_torch_and_numpy_backends_agree(shape):
+    rng = np.random.default_rng(10)
+    kw = dict(compress_ratio=0.05, exact_topk=True, momentum=0.9, momentum_masking=True,
+              clip_norm=5.0, min_sparse_numel=1)
+    np_cores, t_cores = make_ranks(2, "numpy", **kw), make_ranks(2, "torch", **kw)
+    for _ in range(4):
+        grads = [rng.standard_normal(shape).astype(F32) for _ in range(2)]  # distinct magnitudes
+        up_np, pay_np, _ = exchange(np_cores, "conv", grads)
+        up_t, pay_t, _ = exchange(t_cores, "conv", grads)
+        for r in range(2):
+            a, b = ref_parse(pay_np[r]), ref_parse(pay_t[r])
+            order_a, order_b = np.argsort(a[3]), np.argsort(b[3])
+            np.testing.assert_array_equal(a[3][order_a], b[3][order_b])
+            np.testing.assert_allclose(a[4][order_a], b[4][order_b], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(up_np[r], up_t[r], rtol=1e-5, atol=1e-6)
+            for x, y in zip(state_np(np_cores[r], "conv"), state_np(t_cores[r], "conv")):
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_single_element_tensor(backend):
+    cores = make_ranks(2, backend, min_sparse_numel=1, momentum=0.0)
+    updates, payloads, kind = exchange(cores, "s", [np.array([2.0], F32), np.array([-0.5], F32)])
+    assert kind == "sparse"
+    assert [ref_parse(p)[1] for p in payloads] == [1, 1]
+    np.testing.assert_array_equal(updates[0], [0.75])
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_all_zero_gradient_sends_header_only(backend):
+    cores = make_ranks(2, backend, min_sparse_numel=1)
+    updates, payloads, _ = exchange(cores, "w", [np.zeros((4, 8), F32)] * 2)
+    assert [p.nbytes for p in payloads] == [16, 16]
+    assert not updates[0].any() and updates[0].shape == (32,)
+
+
+# ============================================================ equivalence with dense SGD
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("reference", ["torch", "numpy"])
+def test_ratio_one_equals_momentum_sgd(backend, world_size, nesterov, reference):
+    cfg = dict(compress_ratio=1.0, warmup_epochs=0, min_sparse_numel=1, momentum=0.9,
+               nesterov=nesterov, momentum_masking=False)
+    run_against_sgd(backend, world_size, cfg, dict(momentum=0.9, nesterov=nesterov),
+                    reference=reference)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ratio_one_with_masking_equals_plain_sgd(backend, world_size):
+    cfg = dict(compress_ratio=1.0, warmup_epochs=0, min_sparse_numel=1, momentum=0.9,
+               momentum_masking=True)
+    run_against_sgd(backend, world_size, cfg, dict(momentum=0.0))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_ratio_one_weight_decay_equals_sgd_weight_decay(backend):
+    cfg = dict(compress_ratio=1.0, min_sparse_numel=1, momentum=0.9, momentum_masking=False,
+               weight_decay=0.1)
+    run_against_sgd(backend, 2, cfg, dict(momentum=0.9, weight_decay=0.1))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dense_small_tensor_sends_velocity(backend, nesterov):
+    rng = np.random.default_rng(11)
+    m = 0.9
+    core = make_ranks(1, backend, momentum=m, nesterov=nesterov)[0]        # min_sparse_numel 1024
+    u = np.zeros(12, F32)
+    for _ in range(3):
+        g = rng.standard_normal((3, 4)).astype(F32)
+        kind, out, ctx = core.compress("bias", to_backend(core.B, g), 2)
+        u_new, sent = ref_momentum_correction(u, np.zeros(12, F32), g.reshape(-1), m, nesterov)
+        assert kind == "dense" and ctx is None
+        np.testing.assert_allclose(to_np(out), sent, rtol=1e-6, atol=1e-6)
+        u = u_new
+    assert core.states["bias"].v is None        # nothing held back for dense tensors
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dense_small_tensor_average_is_momentum_sgd(backend, nesterov):
+    cfg = dict(momentum=0.9, nesterov=nesterov, min_sparse_numel=1024)     # 12 elements: dense
+    run_against_sgd(backend, 2, cfg, dict(momentum=0.9, nesterov=nesterov), shape=(3, 4))
+
+
+# ============================================================ bad input, non-finite gradients
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_integer_gradient_rejected(backend):
+    B = BACKENDS[backend]
+    core = DGCCore(DGCConfig(), B)
+    with pytest.raises(TypeError, match="layer1.weight"):
+        core.compress("layer1.weight", to_backend(B, np.arange(10, dtype=np.int64)), 1)
+    assert "layer1.weight" not in core.states
+
+
+def test_core_requires_config():
+    with pytest.raises(TypeError, match="DGCConfig"):
+        DGCCore({"compress_ratio": 0.01}, BACKENDS["numpy"])
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_changed_numel_rejected_and_state_unchanged(backend):
+    rng = np.random.default_rng(12)
+    core = make_ranks(1, backend, compress_ratio=0.1, min_sparse_numel=1)[0]
+    exchange([core], "w", [rng.standard_normal(100).astype(F32)])
+    before = state_np(core, "w")
+    with pytest.raises(ValueError, match="'w'"):
+        core.compress("w", to_backend(core.B, rng.standard_normal(101).astype(F32)), 1)
+    after = state_np(core, "w")
+    assert core.states["w"].numel == 100
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, y)
+
+
+def _warm_ranks(backend, world_size, rng, n=400, steps=2, **kw):
+    cfg = dict(compress_ratio=0.05, exact_topk=True, momentum=0.9, momentum_masking=True,
+               min_sparse_numel=1)
+    cfg.update(kw)
+    cores = make_ranks(world_size, backend, **cfg)
+    for _ in range(steps):
+        exchange(cores, "w", [rng.standard_normal(n).astype(F32) for _ in range(world_size)])
+    return cores
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_gradient_leaves_state_unchanged(backend, bad):
+    rng = np.random.default_rng(13)
+    core = _warm_ranks(backend, 1, rng)[0]
+    u0, v0 = state_np(core, "w")
+    g = rng.standard_normal(400).astype(F32)
+    g[17] = bad
+    kind, payload, _ = core.compress("w", to_backend(core.B, g), 1)
+    u1, v1 = state_np(core, "w")
+    assert u0.tobytes() == u1.tobytes() and v0.tobytes() == v1.tobytes()     # bit for bit
+    numel, count, flags, _, _ = ref_parse(to_np(payload))
+    assert kind == "sparse" and numel == 400 and count == 0 and flags & 1
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_nonfinite_step_is_nan_everywhere_and_nothing_is_lost(backend):
+    rng = np.random.default_rng(14)
+    m = 0.9
+    cores = _warm_ranks(backend, 2, rng)
+    (u0, v0), (u1, v1) = state_np(cores[0], "w"), state_np(cores[1], "w")
+    g0 = rng.standard_normal(400).astype(F32)
+    g0[5] = np.nan
+    g1 = rng.standard_normal(400).astype(F32)
+    u1_corr, v1_corr = ref_momentum_correction(u1, v1, g1, m)   # rank 1 right after correction
+    updates, payloads, _ = exchange(cores, "w", [g0, g1])
+    assert ref_parse(payloads[0])[2] & 1 and ref_parse(payloads[1])[1] > 0
+    for upd in updates:
+        assert upd.shape == (400,) and np.all(np.isnan(upd))
+    # rank 0: untouched; rank 1: its sent entries are back in v (and u, masking on)
+    for x, y in zip((u0, v0), state_np(cores[0], "w")):
+        assert x.tobytes() == y.tobytes()
+    u1_after, v1_after = state_np(cores[1], "w")
+    np.testing.assert_allclose(v1_after, v1_corr, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(u1_after, u1_corr, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_nonfinite_dense_small_tensor(backend):
+    core = make_ranks(1, backend, momentum=0.9)[0]
+    core.compress("b", to_backend(core.B, np.ones(8, F32)), 1)
+    u0 = state_np(core, "b")[0]
+    g = np.ones(8, F32)
+    g[0] = np.inf
+    kind, out, _ = core.compress("b", to_backend(core.B, g), 1)
+    assert kind == "dense" and not np.all(np.isfinite(to_np(out)))
+    assert state_np(core, "b")[0].tobytes() == u0.tobytes()
+
+
+# ============================================================ CompressionStats
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_stats_bytes_and_ratio(backend):
+    rng = np.random.default_rng(15)
+    core = make_ranks(1, backend, compress_ratio=0.01, exact_topk=True, min_sparse_numel=100)[0]
+    _, payload, kind = exchange([core], "big", [rng.standard_normal(1000).astype(F32)])
+    assert kind == "sparse"
+    exchange([core], "small", [rng.standard_normal(10).astype(F32)])
+    count = ref_parse(payload[0])[1]
+    assert count == ref_k(1000, 0.01)
+    s = core.step_stats
+    assert s.wire_bytes == (16 + 8 * count + PLACEHOLDER) + 4 * 10
+    assert s.dense_bytes == 4 * (1000 + 10)
+    assert s.ratio == pytest.approx(4 * 1010 / ((16 + 8 * count + PLACEHOLDER) + 40))
+    assert (s.tensors, s.sparse_tensors, s.selected, s.elements) == (2, 1, count, 1010)
+
+
+def test_stats_ratio_before_anything_sent():
+    assert CompressionStats().ratio == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_stats_new_step_when_name_repeats(backend):
+    rng = np.random.default_rng(16)
+    core = make_ranks(1, backend, compress_ratio=0.01, min_sparse_numel=100)[0]
+    for name in ("a", "b"):
+        exchange([core], name, [rng.standard_normal(500).astype(F32)])
+    assert (core.step_stats.tensors, core.total_stats.steps) == (2, 1)
+    exchange([core], "a", [rng.standard_normal(500).astype(F32)])
+    assert (core.step_stats.tensors, core.step_stats.steps) == (1, 1)
+    assert (core.total_stats.steps, core.total_stats.tensors) == (2, 3)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_stats_count_nonfinite(backend):
+    core = make_ranks(1, backend, min_sparse_numel=100)[0]
+    g = np.zeros(500, F32)
+    g[0] = np.nan
+    core.compress("a", to_backend(core.B, g), 1)
+    s = core.step_stats
+    assert (s.nonfinite_tensors, s.selected, s.wire_bytes, s.dense_bytes) == (
+        1, 0, 16 + PLACEHOLDER, 2000)
