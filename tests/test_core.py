@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+import tensorflow as tf
 import torch
 
 from dgc_horovod.core import (CompressionStats, DGCConfig, DGCCore, NumpyBackend,
@@ -18,9 +19,10 @@ from dgc_horovod.core import (CompressionStats, DGCConfig, DGCCore, NumpyBackend
 from dgc_horovod.core import accumulate, wire
 from dgc_horovod.core.sparsify import select_topk
 from dgc_horovod.torch.backend import TorchBackend
+from dgc_horovod.tensorflow.backend import TFBackend
 
 F32 = np.float32
-BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend()}
+BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend(), "tensorflow": TFBackend()}
 BACKEND_NAMES = sorted(BACKENDS)
 
 # Wire format "DGC v1", as documented (4 header words, then c int32 indices, then c float32 bits).
@@ -140,12 +142,21 @@ class RefRank:
 # ============================================================ simulation helpers
 def to_backend(B, a):
     a = np.array(a, copy=True)
+    if B.name == "tensorflow":
+        return tf.constant(a)
     return torch.from_numpy(a) if B.name == "torch" else a
+
+
+def mutable(B, a):
+    """A flat float32 copy that in-place backend methods may update (a tf.Variable on TF)."""
+    return B.float32_flat(to_backend(B, np.asarray(a, F32)))
 
 
 def to_np(x):
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy().copy()
+    if isinstance(x, (tf.Tensor, tf.Variable)):
+        return x.numpy().copy()
     return np.array(x, copy=True)
 
 
@@ -338,7 +349,7 @@ def test_backend_state_primitives(backend):
     B = BACKENDS[backend]
     x = np.array([1.0, -2.0, 3.0, 0.0, 5.0], F32)
     idx = to_backend(B, np.array([4, 0], np.int64))
-    y = to_backend(B, x)
+    y = mutable(B, x)
     B.fill_at_(y, idx, 0.0)
     np.testing.assert_array_equal(to_np(y), [0, -2, 3, 0, 0])
     B.scatter_(y, idx, to_backend(B, np.array([7.0, 8.0], F32)))
@@ -385,7 +396,7 @@ def test_torch_backend_rejects_integer_and_non_tensor():
 def test_momentum_correction_matches_equations(backend, m, nesterov):
     B, rng = BACKENDS[backend], np.random.default_rng(1)
     n = 50
-    u, v = to_backend(B, np.zeros(n, F32)), to_backend(B, np.zeros(n, F32))
+    u, v = mutable(B, np.zeros(n, F32)), mutable(B, np.zeros(n, F32))
     ru, rv = np.zeros(n, F32), np.zeros(n, F32)
     for _ in range(5):
         g = rng.standard_normal(n).astype(F32)
@@ -404,7 +415,7 @@ def test_momentum_correction_matches_equations(backend, m, nesterov):
 def test_local_clipping_threshold(backend, world_size, scale):
     B = BACKENDS[backend]
     g = (np.random.default_rng(2).standard_normal(300) * scale).astype(F32)
-    got = to_np(accumulate.clip_by_local_norm(B, to_backend(B, g), 3.0, world_size))
+    got = to_np(accumulate.clip_by_local_norm(B, mutable(B, g), 3.0, world_size))
     np.testing.assert_allclose(got, ref_clip(g, 3.0, world_size), rtol=1e-5, atol=1e-9)
     assert np.linalg.norm(got) <= 3.0 / math.sqrt(world_size) * (1 + 1e-5)
 

@@ -27,7 +27,7 @@ How it rides on stock Horovod (0.28.x, unmodified):
   ``tf.py_function`` ops placed in the traced graph, so Python-side settings such as the warm-up
   density take effect without retracing.
 * **Exchange.** A sparsified tensor's payload goes through ``hvd.allgather`` (an op in the same
-  graph); Horovod's own allreduce gets a 1-element placeholder. Small tensors
+  graph); Horovod's own allreduce gets a 1-element placeholder (this rank's entry count). Small tensors
   (``min_sparse_numel``) send their momentum-corrected velocity through that allreduce instead.
 * ``tf.IndexedSlices`` gradients (embeddings) keep Horovod's own allgather path, untouched by DGC,
   unless ``sparse_as_dense=True`` turns them into dense gradients, which DGC then compresses.
@@ -60,25 +60,33 @@ _REDUCE_FRAMES = ("allreduce_grads", "tf__allreduce_grads")
 def _find_variable(tensor):
     """(variable, op, process_set) of the Horovod reduction that is compressing ``tensor``."""
     frame = sys._getframe(2)
-    op = process_set = None
+    op = process_set = found = None
     for _ in range(_MAX_FRAMES):
         if frame is None:
             break
         local = frame.f_locals
         if op is None and "process_set" in local and "op" in local:
             op, process_set = local["op"], local["process_set"]
-        if frame.f_code.co_name in _REDUCE_FRAMES and "grads" in local and "vars" in local:
+        if found is None and frame.f_code.co_name in _REDUCE_FRAMES and "grads" in local \
+                and "vars" in local:
             grads, variables = local["grads"], local["vars"]
             if variables is None:
                 raise RuntimeError("Horovod reduced these gradients without their variables; "
                                    + _HINT)
             for j, g in enumerate(grads):
                 if g is tensor:
-                    return variables[j], op, process_set
-            raise RuntimeError("DGC could not match the gradient it was given (shape "
-                               f"{tensor.shape}) to one of the {len(grads)} gradients Horovod "
-                               "is reducing")
+                    found = variables[j]
+                    break
+            else:
+                raise RuntimeError("DGC could not match the gradient it was given (shape "
+                                   f"{tensor.shape}) to one of the {len(grads)} gradients "
+                                   "Horovod is reducing")
+        owner = local.get("self")
+        if found is not None and owner is not None and hasattr(owner, "_allreduce_grads"):
+            return found, op, process_set, owner          # the Horovod tape or optimizer
         frame = frame.f_back
+    if found is not None:
+        return found, op, process_set, None
     raise RuntimeError("dgc_horovod.tensorflow.DGC was called outside Horovod's gradient "
                        "reduction; " + _HINT)
 
@@ -122,16 +130,16 @@ class DGC(Compressor):
     states = property(lambda self: self._core.states)
 
     def _name_of(self, var):
-        key = var.ref()
+        key = id(var)              # the variable is kept alive below, so the id stays unique
         if key not in self._names:
             base = var.name
-            taken = set(self._names.values())
+            taken = {name for _, name in self._names.values()}
             name, n = base, 1
             while name in taken:
                 n += 1
                 name = f"{base}#{n}"
-            self._names[key] = name
-        return self._names[key]
+            self._names[key] = (var, name)
+        return self._names[key][1]
 
     # Horovod Compressor API ---------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -139,7 +147,14 @@ class DGC(Compressor):
         """Trace-time: place DGC's ops for ``tensor`` in the graph; return (to allreduce, ctx)."""
         if not tensor.dtype.is_floating:
             raise TypeError(f"DGC: gradients must be floating-point tensors, got {tensor.dtype}")
-        var, op, process_set = _find_variable(tensor)
+        var, op, process_set, owner = _find_variable(tensor)
+        if self.config.momentum > 0 and _momentum_of(owner) > 0:
+            raise ValueError(
+                f"momentum would be applied twice to {var.name!r}: DGC(momentum="
+                f"{self.config.momentum}) applies momentum correction itself, and the wrapped "
+                f"optimizer {type(owner).__mro__[1].__name__} has momentum="
+                f"{_momentum_of(owner)}. Create the optimizer with momentum=0 (and "
+                "nesterov=False), or use DGC(momentum=0) for plain error feedback.")
         if op is not None and op not in (hvd.Average, hvd.Sum):
             raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
         process_set = process_set if process_set is not None else hvd.global_process_set
@@ -171,7 +186,11 @@ class DGC(Compressor):
         payload.set_shape([None])
         gathered = hvd.allgather(payload, name="DGCAllgather_" + _op_name(name),
                                  process_set=process_set)
-        return tf.zeros([1], tensor.dtype), ((name, world, average, gathered), tensor)
+        # The 1-element placeholder for Horovod's allreduce is this rank's entry count (word 2 of
+        # the payload), not a constant: TensorFlow's graph optimizer folds a collective whose
+        # input is constant, which would run it once instead of every step.
+        placeholder = tf.cast(payload[2:3], tensor.dtype)
+        return placeholder, ((name, world, average, gathered), tensor)
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):
@@ -190,6 +209,20 @@ class DGC(Compressor):
 
     def __repr__(self):
         return f"DGC({self.config!r})"
+
+
+def _momentum_of(optimizer):
+    """The momentum hyper-parameter of a (Horovod-wrapped) Keras optimizer; 0.0 for a tape."""
+    m = getattr(optimizer, "momentum", None)
+    if m is None and hasattr(optimizer, "_get_hyper"):
+        try:
+            m = optimizer._get_hyper("momentum")
+        except (KeyError, AttributeError):
+            m = None
+    try:
+        return float(m) if m is not None else 0.0
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _op_name(name):

@@ -1,0 +1,28 @@
+"""TensorFlow adapter checks that need no launcher: the same bad input as PyTorch, misuse."""
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from dgc_horovod.tensorflow import DGC  # noqa: E402
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(compress_ratio=0.0), "compress_ratio"), (dict(compress_ratio=1.5), "compress_ratio"),
+    (dict(sample_ratio=0.0), "sample_ratio"), (dict(sample_ratio=2.0), "sample_ratio"),
+    (dict(momentum=1.0), "momentum")])
+def test_bad_arguments_name_the_argument(kwargs, arg):
+    with pytest.raises(ValueError, match=arg):
+        DGC(**kwargs)
+
+
+def test_non_floating_gradient_is_a_type_error():
+    with pytest.raises(TypeError, match="floating"):
+        DGC().compress(tf.constant([1, 2, 3]))
+
+
+def test_compress_outside_horovod_reduction_explains_usage():
+    with pytest.raises(RuntimeError, match="DistributedGradientTape"):
+        DGC().compress(tf.zeros([3]))

@@ -1,0 +1,82 @@
+"""DGC with stock horovod.tensorflow under `horovodrun -np 2` (Gloo and MPI), tf-keras.
+
+One launch per controller runs the scenarios of tests/workers/tf_worker.py; a separate Gloo launch
+runs the wire scenario alone so that Horovod's timeline holds only its collectives.
+"""
+import json
+import math
+
+import pytest
+
+from conftest import horovodrun, read_timeline
+
+TF_ENV = {"TF_USE_LEGACY_KERAS": "1"}
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tf_" + request.param) / "results.json"
+    horovodrun(["tests/workers/tf_worker.py", "--out", str(out)], launcher=request.param,
+               env=TF_ENV)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_variables_identical_after_20_steps(run, mode):
+    r = run["identical"][mode]
+    assert r["identical"] and r["changed"] and r["steps"] == 20
+    assert r["states"] == ["fc1/bias:0", "fc1/kernel:0", "fc2/bias:0", "fc2/kernel:0"]
+    assert r["sparse"] == ["fc1/kernel:0", "fc2/kernel:0"]
+
+
+@pytest.mark.parametrize("case", ["momentum_correction", "nesterov", "masking_equals_plain_sgd"])
+def test_ratio_one_equals_dense_sgd(run, case):
+    assert run["equivalence"][case] < 1e-6
+
+
+def test_indexed_slices_keep_horovods_path_unless_sparse_as_dense(run):
+    plain, dense = run["indexed_slices"]["False"], run["indexed_slices"]["True"]
+    assert plain["identical"] and dense["identical"]
+    assert "emb/embeddings:0" not in plain["states"]      # Horovod's own allgather path
+    assert "emb/embeddings:0" in dense["sparse"]          # sparse_as_dense: DGC compresses it
+
+
+def test_nonfinite_step_skipped_on_every_rank_state_clean(run):
+    r = run["nonfinite"]
+    assert r["skipped"] == [False, False, False, True, False, False, False, False]
+    assert r["states_finite"] and r["identical"]
+
+
+def test_keras_fit_with_warmup_callback(run):
+    r = run["keras_fit"]
+    assert r["identical"] and r["steps"] == 3 * 128 // 16
+    assert r["density"] == pytest.approx([0.25, 0.05, 0.01])     # 0.25 → 0.01 over 2 epochs
+    assert r["ratio"][0] < r["ratio"][1] < r["ratio"][2]
+    assert r["sparse"] == ["fc1/kernel:0", "fc2/kernel:0"]
+
+
+def test_keras_momentum_in_both_places_is_an_error(run):
+    msg = run["keras_momentum_twice"]
+    assert msg is not None and "momentum would be applied twice" in msg
+
+
+def test_wire_bytes_match_statistics(tmp_path):
+    out, timeline = tmp_path / "results.json", tmp_path / "timeline.json"
+    horovodrun(["tests/workers/tf_worker.py", "--out", str(out), "--scenarios", "wire"],
+               env=dict(TF_ENV, HOROVOD_TIMELINE=str(timeline)))
+    w = json.loads(out.read_text())["wire"]
+    events = read_timeline(timeline)
+    steps = 5
+    gathered = [(n, s) for n, d, s in events if "DGCAllgather_" in n]
+    reduced = [(n, s) for n, d, s in events
+               if "DistributedGradientTape_Allreduce" in n and "HorovodAllreduce" in n]
+    assert len(gathered) == steps * len(w["sparse"])
+    assert len(reduced) == steps * len(w["numel"])
+    placeholders = [s for _, s in reduced if s == [1]]
+    assert len(placeholders) == steps * len(w["sparse"])     # O(1) per sparsified tensor
+    dense = sorted(math.prod(s) for _, s in reduced if s != [1])
+    small = [n for n in w["numel"] if n not in w["sparse"]]
+    assert dense == sorted(w["numel"][n] for n in small for _ in range(steps))
+    allgather_bytes = 4 * sum(math.prod(s) for _, s in gathered)
+    allreduce_bytes = 4 * sum(math.prod(s) for _, s in reduced)
+    assert sum(r["wire_bytes"] for r in w["per_rank"]) == allgather_bytes + 2 * allreduce_bytes

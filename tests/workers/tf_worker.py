@@ -1,0 +1,189 @@
+"""Runs under `horovodrun -np 2`: DGC with stock horovod.tensorflow (tape and tf-keras).
+
+Rank 0 writes what each scenario observed as JSON to --out; tests/test_tf_horovod.py asserts.
+Needs TF_USE_LEGACY_KERAS=1 (tf-keras), set by the test.
+"""
+import argparse
+import json
+
+import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
+import numpy as np
+import tensorflow as tf
+
+from dgc_horovod.tensorflow import DGC, DGCWarmupCallback
+
+LR = 0.05
+
+
+def make_model(seed=1234, embedding=False):
+    tf.keras.utils.set_random_seed(seed)
+    if embedding:
+        inp = tf.keras.Input(shape=(4,), dtype="int32")
+        h = tf.keras.layers.Flatten()(tf.keras.layers.Embedding(300, 8, name="emb")(inp))
+    else:
+        inp = tf.keras.Input(shape=(64,))
+        h = inp
+    h = tf.keras.layers.Dense(128, activation="relu", name="fc1")(h)
+    out = tf.keras.layers.Dense(10, name="fc2")(h)
+    return tf.keras.Model(inp, out)
+
+
+def batches(steps, seed, embedding=False):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        x = (rng.integers(0, 300, (16, 4)).astype("int32") if embedding
+             else rng.standard_normal((16, 64)).astype("float32"))
+        out.append((x, rng.integers(0, 10, 16)))
+    return out
+
+
+def flat(model):
+    return tf.concat([tf.reshape(v, [-1]) for v in model.variables], 0)
+
+
+def identical(model):
+    g = hvd.allgather(flat(model)[None], name="check_params")
+    return bool(tf.reduce_all(g == g[0]))
+
+
+def train_tape(model, compression, steps=20, momentum=0.0, nesterov=False, function=True,
+               sparse_as_dense=False, nan_at=None, embedding=False, seed=None):
+    opt = tf.keras.optimizers.SGD(LR, momentum=momentum, nesterov=nesterov)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    skipped = []
+
+    def grads_of(x, y, scale):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                y, model(x), from_logits=True)) * scale
+        tape = hvd.DistributedGradientTape(tape, compression=compression,
+                                           sparse_as_dense=sparse_as_dense)
+        return tape.gradient(loss, model.trainable_variables)
+
+    step_fn = tf.function(grads_of) if function else grads_of
+    data = batches(steps, 100 + hvd.rank() if seed is None else seed, embedding)
+    for i, (x, y) in enumerate(data):
+        scale = tf.constant(float("nan") if (i == nan_at and hvd.rank() == 1) else 1.0)
+        grads = step_fn(x, y, scale)
+        bad = any(not bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(g))))
+                  for g in grads)
+        skipped.append(bad)
+        if not bad:
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+    return skipped
+
+
+def states_info(dgc):
+    return {"states": sorted(dgc.states), "sparse": sorted(n for n, s in dgc.states.items()
+                                                            if s.sparse)}
+
+
+def scenario_identical(results):
+    out = {}
+    for mode in ("eager", "function"):
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+        model = make_model()
+        before = flat(model).numpy()
+        train_tape(model, dgc, function=(mode == "function"))
+        out[mode] = dict(identical=identical(model),
+                         changed=bool((flat(model).numpy() != before).any()),
+                         steps=dgc.total_stats.steps, **states_info(dgc))
+    results["identical"] = out
+
+
+def scenario_equivalence(results):
+    out = {}
+    cases = {"momentum_correction": (dict(momentum_masking=False), dict(momentum=0.9)),
+             "nesterov": (dict(momentum_masking=False, nesterov=True),
+                          dict(momentum=0.9, nesterov=True)),
+             "masking_equals_plain_sgd": (dict(momentum_masking=True), dict(momentum=0.0))}
+    for name, (dgc_kw, sgd_kw) in cases.items():
+        dgc = DGC(compress_ratio=1.0, momentum=0.9, warmup_epochs=0, min_sparse_numel=1, **dgc_kw)
+        m_dgc, m_ref = make_model(), make_model()
+        train_tape(m_dgc, dgc, steps=8)
+        train_tape(m_ref, hvd.Compression.none, steps=8, **sgd_kw)
+        out[name] = float(tf.reduce_max(tf.abs(flat(m_dgc) - flat(m_ref))))
+    results["equivalence"] = out
+
+
+def scenario_wire(results):
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+    model = make_model()
+    train_tape(model, dgc, steps=5)
+    st = dgc.total_stats
+    per_rank = hvd.allgather_object({"wire_bytes": st.wire_bytes, "dense_bytes": st.dense_bytes,
+                                     "steps": st.steps})
+    results["wire"] = {"per_rank": per_rank,
+                       "numel": {n: s.numel for n, s in dgc.states.items()},
+                       **states_info(dgc)}
+
+
+def scenario_indexed_slices(results):
+    out = {}
+    for sad in (False, True):
+        dgc = DGC(compress_ratio=0.05, momentum=0.9, warmup_epochs=0)
+        model = make_model(embedding=True)
+        train_tape(model, dgc, steps=6, sparse_as_dense=sad, embedding=True)
+        out[str(sad)] = dict(identical=identical(model), **states_info(dgc))
+    results["indexed_slices"] = out
+
+
+def scenario_nonfinite(results):
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+    model = make_model()
+    skipped = train_tape(model, dgc, steps=8, nan_at=3)
+    finite = all(bool(tf.reduce_all(tf.math.is_finite(t))) for s in dgc.states.values()
+                 for t in (s.u, s.v) if t is not None)
+    results["nonfinite"] = {"skipped": skipped, "states_finite": finite,
+                            "identical": identical(model)}
+
+
+def scenario_keras_fit(results):
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=2)
+    model = make_model()
+    opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(LR), compression=dgc)
+    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(True))
+    rng = np.random.default_rng(100 + hvd.rank())
+    x, y = rng.standard_normal((128, 64)).astype("float32"), rng.integers(0, 10, 128)
+    hist = model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+                     callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                                DGCWarmupCallback(dgc)])
+    results["keras_fit"] = dict(identical=identical(model), density=hist.history["dgc_density"],
+                                ratio=hist.history["dgc_ratio"], steps=dgc.total_stats.steps,
+                                **states_info(dgc))
+
+
+def scenario_keras_momentum_twice(results):
+    dgc = DGC(compress_ratio=0.01, momentum=0.9)
+    model = make_model()
+    opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(LR, momentum=0.9),
+                                         compression=dgc)
+    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = np.zeros((16, 64), "float32"), np.zeros(16, "int64")
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        results["keras_momentum_twice"] = None
+    except ValueError as e:
+        results["keras_momentum_twice"] = str(e)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--scenarios", default="identical,equivalence,indexed_slices,nonfinite,"
+                    "keras_fit,keras_momentum_twice", help="comma-separated scenario names")
+    args = ap.parse_args()
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    results = {"size": hvd.size()}
+    for name in args.scenarios.split(","):
+        globals()["scenario_" + name](results)
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
