@@ -39,7 +39,8 @@ class DGCConfig:
     Args:
         compress_ratio (float): target density after warm-up, the fraction of each sparsified
             tensor's elements sent per step, in (0, 1]. 0.001 is the paper's 99.9% sparsity
-            (Lin et al. 2018, §1). 1.0 sends everything (useful to check equivalence with dense SGD).
+            (Lin et al. 2018, §1). 1.0 sends everything: with momentum_masking=False, DGC + plain SGD
+            is then dense momentum SGD (with masking, plain SGD: u is cleared every step).
         momentum (float): momentum m of momentum correction, u ← m·u + g, v ← v + u (§3.1,
             eq. 5–6), in [0, 1). 0 gives plain error feedback (gradient dropping with residual
             accumulation), the mode for optimizers such as Adam. When > 0 the wrapped optimizer

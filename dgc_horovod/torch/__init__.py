@@ -34,6 +34,8 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   entries in rank order (bit-identical on every rank) and divides by the world size for
   ``op=hvd.Average``. Tensors below ``min_sparse_numel`` go through Horovod's dense allreduce as
   their momentum-corrected velocity.
+* **One process.** With ``hvd.size() == 1`` Horovod's optimizer never calls the compressor, so DGC
+  does nothing at all; DGC warns when it is created after ``hvd.init()`` in a 1-process job.
 * **Momentum.** DGC applies momentum itself (momentum correction); creating the wrapped optimizer
   with momentum > 0 as well would apply it twice, so DGC raises a ValueError at the first step
   when both are > 0. Weight decay may stay in the wrapped optimizer (it is then added after the
@@ -41,6 +43,7 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   correction, as in the paper's implementation).
 """
 import sys
+import warnings
 
 import horovod.torch as hvd
 import torch
@@ -125,6 +128,11 @@ class DGC(Compressor):
         self.config = config if config is not None else DGCConfig(**kwargs)
         self._core = DGCCore(self.config, TorchBackend())
         self._checked = set()
+        if hvd.is_initialized() and hvd.size() == 1:
+            warnings.warn("one Horovod process: hvd.DistributedOptimizer registers no gradient "
+                          "hooks and never calls the compressor, so DGC (and its momentum "
+                          "correction) does nothing; launch 2+ processes, or train with the "
+                          "optimizer's own momentum on one")
 
     # warm-up and statistics ------------------------------------------------------------
     def set_epoch(self, epoch):
