@@ -25,9 +25,12 @@ F32 = np.float32
 BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend(), "tensorflow": TFBackend()}
 BACKEND_NAMES = sorted(BACKENDS)
 
-# Wire format "DGC v1", as documented (4 header words, then c int32 indices, then c float32 bits).
-MAGIC = 0x44474301
-HEADER_WORDS = 4
+# Wire format "DGC v2", as documented: 5 header words [magic, numel, count,
+# flags | index_code << 8 | value_code << 16, tokens], then the index section, then the values.
+MAGIC = 0x44474302
+HEADER_WORDS = 5
+FORMATS = [("int32", "float32"), ("delta16", "float32"), ("int32", "float16"),
+           ("delta16", "float16")]
 PLACEHOLDER = 4          # bytes of the 1-element fp32 placeholder a sparse tensor allreduces
 
 
@@ -87,19 +90,64 @@ def ref_topk(v, k):
     return order[v[order] != 0]
 
 
-def ref_payload(numel, idx, vals, flags=0):
-    """One rank's payload: [MAGIC, numel, c, flags, idx_0..idx_c-1, bits(val_0)..bits(val_c-1)]."""
-    idx = np.asarray(idx, dtype=np.int32)
-    bits = np.asarray(vals, dtype=F32).view(np.int32)
-    return np.concatenate([np.array([MAGIC, numel, idx.size, flags], dtype=np.int32), idx, bits])
+def ref_delta16_tokens(idx):
+    """Paper's run lengths: per entry its gap d = idx_i - idx_(i-1) (idx_(-1) = -1); gaps above
+    65535 first emit escape tokens 0, each worth 65535 positions."""
+    tokens, prev = [], -1
+    for i in sorted(int(i) for i in idx):
+        gap = i - prev
+        while gap > 65535:
+            tokens.append(0)
+            gap -= 65535
+        tokens.append(gap)
+        prev = i
+    return np.array(tokens, dtype=np.int64)
+
+
+def _words16(a, dtype):
+    a = np.asarray(a).astype(dtype)
+    if a.size % 2:
+        a = np.concatenate([a, np.zeros(1, dtype)])
+    return a.view(np.int32)
+
+
+def ref_payload(numel, idx, vals, flags=0, index="int32", values="float32"):
+    """One rank's payload in the documented v2 layout (for delta16, entries in ascending order)."""
+    idx, vals = np.asarray(idx, dtype=np.int64), np.asarray(vals, dtype=F32)
+    if index == "delta16":
+        order = np.argsort(idx, kind="stable")
+        idx, vals = idx[order], vals[order]
+        toks = ref_delta16_tokens(idx)
+        iw, ntok = _words16(toks, np.uint16), toks.size
+    else:
+        iw, ntok = idx.astype(np.int32), idx.size
+    vw = vals.view(np.int32) if values == "float32" else _words16(vals, np.float16)
+    word3 = flags | ["int32", "delta16"].index(index) << 8 | ["float32", "float16"].index(values) << 16
+    head = np.array([MAGIC, numel, idx.size, word3, ntok], dtype=np.int64).astype(np.int32)
+    return np.concatenate([head, iw, vw]).astype(np.int32)
 
 
 def ref_parse(words):
     """Inverse of ref_payload for one rank: (numel, count, flags, indices int64, values f32)."""
     words = np.asarray(words, dtype=np.int32)
-    magic, numel, c, flags = (int(x) for x in words[:4])
-    assert magic == MAGIC and words.size == 4 + 2 * c
-    return numel, c, flags, words[4:4 + c].astype(np.int64), words[4 + c:].view(F32)
+    magic, numel, c, word3, ntok = (int(x) for x in words[:HEADER_WORDS])
+    assert magic == MAGIC
+    index, values = ("int32", "delta16")[(word3 >> 8) & 0xFF], ("float32", "float16")[word3 >> 16]
+    body = words[HEADER_WORDS:]
+    if index == "int32":
+        idx, n_iw = body[:c].astype(np.int64), c
+    else:
+        n_iw = (ntok + 1) // 2
+        toks, pos, idx = body[:n_iw].view(np.uint16)[:ntok].astype(np.int64), -1, []
+        for t in toks:
+            pos += 65535 if t == 0 else int(t)
+            if t:
+                idx.append(pos)
+        idx = np.array(idx, dtype=np.int64)
+    vw = body[n_iw:]
+    vals = vw.view(F32) if values == "float32" else vw.view(np.float16)[:c].astype(F32)
+    assert vals.size == c and idx.size == c
+    return numel, c, word3 & 0xFF, idx, vals
 
 
 def ref_rank_order_sum(numel, contributions):
@@ -568,11 +616,19 @@ def _rank_contributions(rng, numel, world_size):
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("shape", [(1,), (7,), (5, 6), (2, 3, 4), (2, 3, 4, 5)])
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_wire_round_trip_sums_in_rank_order(backend, shape, world_size):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wire_round_trip_sums_in_rank_order(backend, shape, world_size, fmt):
     B, rng = BACKENDS[backend], np.random.default_rng(6)
     numel = int(np.prod(shape))
     contrib = _rank_contributions(rng, numel, world_size)
-    payloads = [wire.encode(B, numel, to_backend(B, i), to_backend(B, v)) for i, v in contrib]
+    if fmt[0] == "delta16":
+        contrib = [(np.sort(i), v) for i, v in contrib]
+    if fmt[1] == "float16":
+        contrib = [(i, v.astype(np.float16).astype(F32)) for i, v in contrib]
+    payloads = [wire.encode(B, numel, to_backend(B, i), to_backend(B, v), 0, *fmt)
+                for i, v in contrib]
+    for p, (i, v) in zip(payloads, contrib):
+        np.testing.assert_array_equal(to_np(p), ref_payload(numel, i, v, 0, *fmt))
     gathered = B.cat(payloads)
     dense, nonfinite = wire.decode_sum(B, gathered, numel, world_size, "t")
     assert not nonfinite
@@ -591,17 +647,41 @@ def test_wire_encode_layout(backend):
     got = to_np(wire.encode(B, 10, to_backend(B, idx), to_backend(B, vals)))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, ref_payload(10, idx, vals))
-    assert got.nbytes == 16 + 8 * 3
+    assert got.nbytes == 20 + 8 * 3
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
-def test_wire_empty_selection_is_header_only(backend):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wire_big_gaps_first_and_last_positions(backend, fmt):
+    """Gaps of exactly 65535, 65536 and far more (escapes), with the first and last element."""
+    B = BACKENDS[backend]
+    numel = 400_000
+    idx = np.array([0, 65535, 131071, 131072, 300_000, numel - 1], np.int64)
+    vals = np.array([1.0, -2.0, 3.5, 0.25, -8.0, 6.0], F32)
+    p = wire.encode(B, numel, to_backend(B, idx), to_backend(B, vals), 0, *fmt)
+    np.testing.assert_array_equal(to_np(p), ref_payload(numel, idx, vals, 0, *fmt))
+    assert wire.payload_bytes(6, *fmt, tokens=ref_delta16_tokens(idx).size) == to_np(p).nbytes
+    dense, _ = wire.decode_sum(B, B.cat([p, p]), numel, 2, "big")
+    expect = np.zeros(numel, F32)
+    expect[idx] = 2 * vals
+    np.testing.assert_array_equal(to_np(dense), expect)
+
+
+def test_delta16_tokens_escape_exactly_at_65536():
+    assert ref_delta16_tokens([65534]).tolist() == [65535]          # gap 65535: no escape
+    assert ref_delta16_tokens([65535]).tolist() == [0, 1]           # gap 65536: one escape
+    assert ref_delta16_tokens([0, 200_000]).tolist() == [1, 0, 0, 0, 200_000 - 3 * 65535]
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wire_empty_selection_is_header_only(backend, fmt):
     B = BACKENDS[backend]
     empty = to_backend(B, np.zeros(0, np.int64)), to_backend(B, np.zeros(0, F32))
-    p = to_np(wire.encode(B, 100, *empty))
-    assert p.nbytes == 16
-    np.testing.assert_array_equal(p, [MAGIC, 100, 0, 0])
-    gathered = B.cat([wire.encode(B, 100, *empty), wire.encode(B, 100, *empty)])
+    p = to_np(wire.encode(B, 100, *empty, 0, *fmt))
+    assert p.nbytes == 20
+    np.testing.assert_array_equal(p, ref_payload(100, [], [], 0, *fmt))
+    gathered = B.cat([wire.encode(B, 100, *empty, 0, *fmt), wire.encode(B, 100, *empty, 0, *fmt)])
     dense, nonfinite = wire.decode_sum(B, gathered, 100, 2, "t")
     assert not nonfinite and to_np(dense).shape == (100,) and not to_np(dense).any()
 
@@ -624,14 +704,16 @@ def _valid_gathered(numel=12):
 
 
 CORRUPTIONS = {
-    "wrong_magic": lambda w, o: np.concatenate([w[:o], [0x44474302], w[o + 1:]]),
+    "wrong_magic": lambda w, o: np.concatenate([w[:o], [0x44474301], w[o + 1:]]),   # v1 header
+    "unknown_encoding": lambda w, o: np.concatenate([w[:o + 3], [7 << 8], w[o + 4:]]),
+    "tokens_not_count": lambda w, o: np.concatenate([w[:o + 4], [3], w[o + 5:]]),
     "wrong_numel": lambda w, o: np.concatenate([w[:o + 1], [13], w[o + 2:]]),
     "negative_count": lambda w, o: np.concatenate([w[:o + 2], [-1], w[o + 3:]]),
     "count_over_numel": lambda w, o: np.concatenate([w[:o + 2], [13], w[o + 3:]]),
     "truncated_entries": lambda w, o: w[:-1],
     "truncated_header": lambda w, o: w[:o + 2],
-    "index_out_of_range": lambda w, o: np.concatenate([w[:o + 4], [12], w[o + 5:]]),
-    "negative_index": lambda w, o: np.concatenate([w[:o + 5], [-1], w[o + 6:]]),
+    "index_out_of_range": lambda w, o: np.concatenate([w[:o + 5], [12], w[o + 6:]]),
+    "negative_index": lambda w, o: np.concatenate([w[:o + 6], [-1], w[o + 7:]]),
     "trailing_words": lambda w, o: np.concatenate([w, [0]]),
 }
 
@@ -753,7 +835,7 @@ def test_single_element_tensor(backend):
 def test_all_zero_gradient_sends_header_only(backend):
     cores = make_ranks(2, backend, min_sparse_numel=1)
     updates, payloads, _ = exchange(cores, "w", [np.zeros((4, 8), F32)] * 2)
-    assert [p.nbytes for p in payloads] == [16, 16]
+    assert [p.nbytes for p in payloads] == [20, 20]
     assert not updates[0].any() and updates[0].shape == (32,)
 
 
@@ -907,9 +989,12 @@ def test_stats_bytes_and_ratio(backend):
     count = ref_parse(payload[0])[1]
     assert count == ref_k(1000, 0.01)
     s = core.step_stats
-    assert s.wire_bytes == (16 + 8 * count + PLACEHOLDER) + 4 * 10
+    sparse_bytes = ref_payload(1000, ref_parse(payload[0])[3], ref_parse(payload[0])[4], 0,
+                               core.config.wire_index, core.config.wire_values).nbytes
+    assert sparse_bytes == 20 + 2 * count + 4 * count        # delta16 (even count) + fp32
+    assert s.wire_bytes == (sparse_bytes + PLACEHOLDER) + 4 * 10
     assert s.dense_bytes == 4 * (1000 + 10)
-    assert s.ratio == pytest.approx(4 * 1010 / ((16 + 8 * count + PLACEHOLDER) + 40))
+    assert s.ratio == pytest.approx(4 * 1010 / ((sparse_bytes + PLACEHOLDER) + 40))
     assert (s.tensors, s.sparse_tensors, s.selected, s.elements) == (2, 1, count, 1010)
 
 
@@ -937,4 +1022,31 @@ def test_stats_count_nonfinite(backend):
     core.compress("a", to_backend(core.B, g), 1)
     s = core.step_stats
     assert (s.nonfinite_tensors, s.selected, s.wire_bytes, s.dense_bytes) == (
-        1, 0, 16 + PLACEHOLDER, 2000)
+        1, 0, 20 + PLACEHOLDER, 2000)
+
+
+# ============================================================ fp16 values: error feedback
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_fp16_values_keep_rounding_error_in_residual(backend):
+    """wire_values='float16': receivers get fp16(v) at the sent positions, and v keeps
+    v - fp16(v) there (the quantization error is delayed, not lost); beyond 65504 the value is
+    clipped to 65504 and the excess stays in v as well."""
+    g = np.zeros(2048, F32)
+    g[[3, 700, 2047]] = [1.0 / 3.0, 70000.0, -2.0e-3]
+    core = make_ranks(1, backend, compress_ratio=3 / 2048, exact_topk=True, momentum=0.0,
+                      wire_values="float16", min_sparse_numel=1)[0]
+    updates, payloads, kind = exchange([core], "w", [g])
+    assert kind == "sparse"
+    sent = np.clip(g[[3, 700, 2047]], -65504, 65504).astype(np.float16).astype(F32)
+    np.testing.assert_array_equal(updates[0][[3, 700, 2047]], sent)
+    v = state_np(core, "w")[1]
+    np.testing.assert_array_equal(v[[3, 700, 2047]], g[[3, 700, 2047]] - sent)
+    assert v[700] == 70000.0 - 65504.0
+    assert ref_parse(payloads[0])[4].tolist() == sent.tolist()
+
+
+def test_wire_options_are_validated():
+    with pytest.raises(ValueError, match="wire_index"):
+        DGCConfig(wire_index="int16")
+    with pytest.raises(ValueError, match="wire_values"):
+        DGCConfig(wire_values="bfloat16")

@@ -52,6 +52,21 @@ class Backend:
     def to_list(self, x): raise NotImplementedError            # small tensor -> list of ints
     def min_max(self, x): raise NotImplementedError            # -> (int, int)
     def generator(self, seed): raise NotImplementedError       # random generator for sample()
+    # --- wire v2 (index deltas, fp16); functional: they return new tensors
+    def sort(self, idx): raise NotImplementedError             # ascending
+    def int64_tensor(self, values, like): raise NotImplementedError
+    def int64_zeros(self, n, like): raise NotImplementedError
+    def cumsum(self, x): raise NotImplementedError             # int64 running sum
+    def put(self, x, pos, vals): raise NotImplementedError     # copy of x with x[pos] = vals
+    def where(self, cond, a, b): raise NotImplementedError     # b may be a Python scalar
+    def mask(self, x, cond): raise NotImplementedError         # x[cond]
+    def count_true(self, cond): raise NotImplementedError      # -> int
+    def pack16(self, tokens): raise NotImplementedError        # ints in 0..65535 -> int32 words
+    def unpack16(self, words, n): raise NotImplementedError    # -> n int64 tokens
+    def pack_fp16(self, x): raise NotImplementedError          # float32 -> float16 pairs in words
+    def unpack_fp16(self, words, n): raise NotImplementedError  # -> n float32
+    def to_fp16_and_back(self, x): raise NotImplementedError   # float32 rounded through float16
+    def clamp(self, x, lo, hi): raise NotImplementedError      # elementwise, new tensor
 
 
 class NumpyBackend(Backend):
@@ -108,3 +123,36 @@ class NumpyBackend(Backend):
     def to_list(self, x): return [int(i) for i in x]
     def min_max(self, x): return int(x.min()), int(x.max())
     def generator(self, seed): return np.random.default_rng(seed)
+
+    def sort(self, idx): return np.sort(idx)
+    def int64_tensor(self, values, like=None): return np.asarray(values, dtype=np.int64)
+    def int64_zeros(self, n, like=None): return np.zeros(n, dtype=np.int64)
+    def cumsum(self, x): return np.cumsum(x, dtype=np.int64)
+
+    def put(self, x, pos, vals):
+        out = x.copy()
+        out[pos] = vals
+        return out
+
+    def where(self, cond, a, b): return np.where(cond, a, b)
+    def mask(self, x, cond): return x[cond]
+    def count_true(self, cond): return int(np.count_nonzero(cond))
+
+    def pack16(self, tokens):
+        t = np.zeros(tokens.size + tokens.size % 2, dtype=np.uint16)
+        t[:tokens.size] = tokens
+        return t.view(np.int32)
+
+    def unpack16(self, words, n):
+        return np.ascontiguousarray(words, dtype=np.int32).view(np.uint16)[:n].astype(np.int64)
+
+    def pack_fp16(self, x):
+        h = np.zeros(x.size + x.size % 2, dtype=np.float16)
+        h[:x.size] = x
+        return h.view(np.int32)
+
+    def unpack_fp16(self, words, n):
+        return np.ascontiguousarray(words, dtype=np.int32).view(np.float16)[:n].astype(np.float32)
+
+    def to_fp16_and_back(self, x): return x.astype(np.float16).astype(np.float32)
+    def clamp(self, x, lo, hi): return np.clip(x, lo, hi)

@@ -31,6 +31,7 @@ from dgc_horovod.core import wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES"]
 
+_FP16_MAX = 65504.0
 #: Bytes of the 1-element float32 placeholder a sparsified tensor sends through the stock allreduce.
 PLACEHOLDER_BYTES = 4
 
@@ -161,10 +162,10 @@ class DGCCore:
             g = B.float32_flat(grad)
             if not B.all_finite(g):
                 if st.sparse:
-                    out = wire.encode(B, st.numel, B.empty_indices(like=g), B.zeros(0, like=g),
-                                      wire.FLAG_NONFINITE)
+                    out = self._encode(st.numel, B.empty_indices(like=g), B.zeros(0, like=g),
+                                       wire.FLAG_NONFINITE)
                     result = ("sparse", out, SparseContext(name, st.numel, None, None, None))
-                    nbytes = wire.payload_bytes(0) + PLACEHOLDER_BYTES
+                    nbytes = 4 * B.numel(out) + PLACEHOLDER_BYTES
                 else:
                     result, nbytes = ("dense", g, None), 4 * st.numel
                 self._count(st, 0, nbytes, True, time.perf_counter() - t0)
@@ -180,14 +181,26 @@ class DGCCore:
             momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov)
             k = k_for(st.numel, self.density)
             idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
+            if c.wire_index == "delta16":
+                idx = B.sort(idx)
             vals = B.take(st.v, idx)
             u_sent = B.take(st.u, idx) if (c.momentum_masking and st.u is not None) else None
             clear_sent(B, st.u, st.v, idx, c.momentum_masking)
-            payload = wire.encode(B, st.numel, idx, vals)
+            sent = vals
+            if c.wire_values == "float16":
+                # what the receivers will see; the rounding (and clipping at the fp16 range)
+                # error stays in the residual: error feedback for the quantization too
+                sent = B.to_fp16_and_back(B.clamp(vals, -_FP16_MAX, _FP16_MAX))
+                B.scatter_(st.v, idx, vals - sent)
+            payload = self._encode(st.numel, idx, sent)
             count = B.numel(idx)
-            self._count(st, count, wire.payload_bytes(count) + PLACEHOLDER_BYTES, False,
+            self._count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
                         time.perf_counter() - t0)
             return "sparse", payload, SparseContext(name, st.numel, idx, vals, u_sent)
+
+    def _encode(self, numel, idx, vals, flags=0):
+        return wire.encode(self.B, numel, idx, vals, flags, self.config.wire_index,
+                           self.config.wire_values)
 
     def decompress(self, gathered, ctx, world_size, average=True):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.

@@ -33,6 +33,12 @@ def _check_int(name, value, minimum):
     return value
 
 
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
 class DGCConfig:
     """Every knob of DGC in one validated, printable object.
 
@@ -69,6 +75,12 @@ class DGCConfig:
         warmup_per_step (bool): False (paper): density changes once per whole epoch. True: it
             falls smoothly with the fractional epoch given by ``set_step``.
         seed (int): seed of the random sampling used by the threshold estimate.
+        wire_index (str): index encoding of the payload (:mod:`dgc_horovod.core.wire`):
+            "delta16" (default; the paper's 16-bit run lengths with an escape for long gaps,
+            ~2 bytes per entry) or "int32" (4 bytes per entry).
+        wire_values (str): "float32" (default, exact) or "float16" (half the value bytes; the
+            rounding error stays in the residual, so it is delayed, not lost; magnitudes above
+            65504 are sent as 65504 and the rest stays in the residual too).
 
     Raises:
         TypeError / ValueError: an argument of the wrong type or outside its range; the message
@@ -77,12 +89,13 @@ class DGCConfig:
 
     __slots__ = ("compress_ratio", "momentum", "nesterov", "momentum_masking", "clip_norm",
                  "weight_decay", "sample_ratio", "exact_topk", "min_sparse_numel",
-                 "warmup_epochs", "warmup_initial_density", "warmup_per_step", "seed")
+                 "warmup_epochs", "warmup_initial_density", "warmup_per_step", "seed",
+                 "wire_index", "wire_values")
 
     def __init__(self, compress_ratio=0.001, momentum=0.9, nesterov=False, momentum_masking=True,
                  clip_norm=None, weight_decay=0.0, sample_ratio=0.01, exact_topk=False,
                  min_sparse_numel=1024, warmup_epochs=4, warmup_initial_density=0.25,
-                 warmup_per_step=False, seed=0):
+                 warmup_per_step=False, seed=0, wire_index="delta16", wire_values="float32"):
         self.compress_ratio = _check_fraction("compress_ratio", compress_ratio)
         self.momentum = _check_nonneg("momentum", momentum, upper=1.0)
         self.nesterov = bool(nesterov)
@@ -101,6 +114,8 @@ class DGCConfig:
                                                       warmup_initial_density)
         self.warmup_per_step = bool(warmup_per_step)
         self.seed = _check_int("seed", seed, 0)
+        self.wire_index = _check_choice("wire_index", wire_index, ("delta16", "int32"))
+        self.wire_values = _check_choice("wire_values", wire_values, ("float32", "float16"))
 
     def to_dict(self):
         """All settings as a plain dict (for logging and checkpoints)."""

@@ -1,58 +1,106 @@
 """Wire format of one rank's sparse contribution, and the rank-ordered decode (sum).
 
-Format ``DGC v1`` — one flat int32 tensor per gradient tensor per rank (native byte order; Horovod
-allgather concatenates the ranks' tensors in rank order)::
+Format ``DGC v2``: one flat int32 tensor per gradient tensor per rank, in native byte order
+(Horovod allgather concatenates the ranks' tensors in rank order)::
 
-    word 0              MAGIC_V1 = 0x44474301   ('D' 'G' 'C' + format version 1)
-    word 1              numel    elements of the dense tensor (0 < numel < 2**31)
-    word 2              count    c, entries sent by this rank (0 <= c <= numel)
-    word 3              flags    bit 0 (FLAG_NONFINITE): this rank's gradient had NaN/Inf and
-                                 sent nothing; every rank then discards the step for this tensor
-    words 4 .. 4+c-1    indices  int32 positions in the flattened tensor, unique, unordered
-    words 4+c .. 4+2c-1 values   IEEE-754 float32 bit patterns of the sent entries
+    word 0   MAGIC_V2 = 0x44474302  ('D' 'G' 'C' + format version 2; any other value is rejected)
+    word 1   numel     elements of the dense tensor (0 < numel < 2**31)
+    word 2   count     c, entries sent by this rank (0 <= c <= numel)
+    word 3   flags | index_encoding << 8 | value_dtype << 16
+               flags bit 0 (FLAG_NONFINITE): this rank's gradient had NaN/Inf and sent nothing
+               index_encoding: 0 = INDEX_INT32, 1 = INDEX_DELTA16;  value_dtype: 0 = FP32, 1 = FP16
+    word 4   tokens    t, number of 16-bit index tokens (delta16), or c (int32)
+    then     index section, padded to whole words:
+               INDEX_INT32:   c words, the positions in the flattened tensor (unordered, unique)
+               INDEX_DELTA16: ceil(t/2) words holding t uint16 tokens (two per word, low half
+                 first), for the positions in ascending order. Token d in 1..65535 advances the
+                 position by d and emits an entry (the first entry's position is d - 1); token 0
+                 advances by 65535 without an entry (the escape for gaps > 65535, so any gap,
+                 up to 2**31, is encoded exactly). The paper's "16-bit run lengths of zeros".
+    then     value section, padded to whole words, in the order of the indices:
+               FP32: c words (IEEE-754 float32 bit patterns);  FP16: ceil(c/2) words, two
+               IEEE-754 float16 values per word, low half first
 
-Size: HEADER_BYTES + 8·c bytes (16 + 8c). A rank that sends nothing still sends its 16-byte header.
+Bytes: 20 + 4·(index words + value words); e.g. delta16 + fp32 ≈ 20 + 6c, int32 + fp32 = 20 + 8c,
+delta16 + fp16 ≈ 20 + 4c. Every payload describes its own encoding, so decoding never depends on
+the receiver's settings; a payload of another format version is rejected by its magic word.
 """
+import math
 
-__all__ = ["MAGIC_V1", "FLAG_NONFINITE", "HEADER_WORDS", "HEADER_BYTES", "MAX_NUMEL",
-           "encode", "decode_sum", "payload_bytes", "WireFormatError"]
+__all__ = ["MAGIC_V2", "FLAG_NONFINITE", "HEADER_WORDS", "HEADER_BYTES", "MAX_NUMEL",
+           "INDEX_ENCODINGS", "VALUE_DTYPES", "encode", "decode_sum", "payload_bytes",
+           "check_numel", "WireFormatError"]
 
-MAGIC_V1 = 0x44474301
+MAGIC_V2 = 0x44474302
 FLAG_NONFINITE = 1
-HEADER_WORDS = 4
+HEADER_WORDS = 5
 HEADER_BYTES = 4 * HEADER_WORDS
 MAX_NUMEL = 2 ** 31 - 1
+INDEX_ENCODINGS = ("int32", "delta16")
+VALUE_DTYPES = ("float32", "float16")
+_ESCAPE = 65535          # the gap advanced by one escape token (token 0)
 
 
 class WireFormatError(ValueError):
     """A received payload does not follow the DGC wire format (names tensor and rank)."""
 
 
-def payload_bytes(count):
-    """Bytes one rank puts on the wire for a tensor when it sends ``count`` entries."""
-    return HEADER_BYTES + 8 * count
+def payload_bytes(count, index="int32", values="float32", tokens=None):
+    """Bytes one rank puts on the wire for a tensor when it sends ``count`` entries.
+
+    ``tokens`` (delta16 only): number of 16-bit tokens, count plus escapes (default: no escape).
+    """
+    t = count if tokens is None else tokens
+    idx_words = count if index == "int32" else math.ceil(t / 2)
+    val_words = count if values == "float32" else math.ceil(count / 2)
+    return HEADER_BYTES + 4 * (idx_words + val_words)
 
 
 def check_numel(numel, name):
-    """Raise ValueError if a tensor of ``numel`` elements cannot be indexed by int32 words."""
+    """Raise ValueError if a tensor of ``numel`` elements cannot be indexed by the wire format."""
     if numel > MAX_NUMEL:
-        raise ValueError(f"tensor {name!r} has {numel} elements; the DGC v1 wire format indexes "
+        raise ValueError(f"tensor {name!r} has {numel} elements; the DGC wire format indexes "
                          f"at most {MAX_NUMEL} (int32). Split the parameter or keep it dense.")
 
 
-def encode(B, numel, indices, values, flags=0):
+def _delta16_tokens(B, idx):
+    """Ascending int64 positions → int64 tokens in 0..65535 (see the module docstring)."""
+    c = B.numel(idx)
+    if c == 0:
+        return idx
+    prev = B.cat([B.int64_tensor([-1], like=idx), B.slice(idx, 0, c - 1)])
+    gaps = idx - prev                                   # >= 1
+    escapes = (gaps - 1) // _ESCAPE
+    pos = B.cumsum(escapes + 1) - 1                     # where each entry's token goes
+    n_tokens = B.to_list(B.slice(pos, c - 1, c))[0] + 1
+    return B.put(B.int64_zeros(n_tokens, like=idx), pos, gaps - escapes * _ESCAPE)
+
+
+def encode(B, numel, indices, values, flags=0, index="int32", value_dtype="float32"):
     """Build one rank's payload.
 
     Args:
         B: backend. numel (int): elements of the dense tensor.
-        indices: int64 tensor (c,), unique positions. values: float32 tensor (c,).
-        flags (int): FLAG_* bits.
+        indices: int64 tensor (c,), unique positions (ascending for delta16).
+        values: float32 tensor (c,), in the order of ``indices``.
+        flags (int): FLAG_* bits. index: "int32" or "delta16". value_dtype: "float32"/"float16".
     Returns:
-        flat int32 tensor of HEADER_WORDS + 2c words.
+        flat int32 tensor (HEADER_WORDS + index words + value words).
     """
     c = B.numel(indices)
-    header = B.int32_tensor([MAGIC_V1, numel, c, flags], like=values)
-    return B.cat([header, B.to_int32(indices), B.float32_bits(values)])
+    if index == "int32":
+        tokens, idx_words = c, B.to_int32(indices)
+    else:
+        toks = _delta16_tokens(B, indices)
+        tokens, idx_words = B.numel(toks), B.pack16(toks)
+    val_words = B.float32_bits(values) if value_dtype == "float32" else B.pack_fp16(values)
+    word3 = flags | INDEX_ENCODINGS.index(index) << 8 | VALUE_DTYPES.index(value_dtype) << 16
+    header = B.int32_tensor([MAGIC_V2, numel, c, word3, tokens], like=values)
+    return B.cat([header, idx_words, val_words])
+
+
+def _fail(name, rank, what):
+    raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} {what}")
 
 
 def decode_sum(B, gathered, numel, world_size, name="<tensor>"):
@@ -69,8 +117,8 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>"):
         (dense, nonfinite): flat float32 tensor of numel elements (the sum, not the mean), and
         True if any rank flagged a non-finite gradient.
     Raises:
-        WireFormatError: wrong magic/version, wrong numel, truncated or over-long payload, or an
-            index out of range; the message names the tensor and the rank.
+        WireFormatError: wrong magic/version or encoding code, wrong numel, truncated or
+            over-long payload, or an index out of range; the message names tensor and rank.
     """
     total = B.numel(gathered)
     dense = B.zeros(numel, like=gathered)
@@ -78,31 +126,48 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>"):
     pos = 0
     for rank in range(world_size):
         if pos + HEADER_WORDS > total:
-            raise WireFormatError(f"DGC payload of tensor {name!r} is truncated: rank {rank} has "
-                                  f"no complete header ({total - pos} of {HEADER_WORDS} words left)")
-        magic, n, c, flags = B.to_list(B.slice(gathered, pos, pos + HEADER_WORDS))
-        if magic != MAGIC_V1:
-            raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} has header "
-                                  f"{magic:#010x}, expected {MAGIC_V1:#010x} (DGC wire format v1); "
-                                  "are all ranks running the same dgc_horovod version?")
+            _fail(name, rank, f"is truncated: no complete header ({total - pos} of "
+                              f"{HEADER_WORDS} words left)")
+        magic, n, c, word3, tokens = B.to_list(B.slice(gathered, pos, pos + HEADER_WORDS))
+        if magic != MAGIC_V2:
+            _fail(name, rank, f"has header {magic & 0xFFFFFFFF:#010x}, expected {MAGIC_V2:#010x} "
+                              "(DGC wire format v2); are all ranks running the same dgc_horovod "
+                              "version?")
         if n != numel:
-            raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} describes "
-                                  f"{n} elements, this rank has {numel}: the models differ")
+            _fail(name, rank, f"describes {n} elements, this rank has {numel}: the models differ")
         if not 0 <= c <= numel:
-            raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} claims "
-                                  f"{c} entries for a tensor of {numel} elements")
-        start, end = pos + HEADER_WORDS, pos + HEADER_WORDS + 2 * c
+            _fail(name, rank, f"claims {c} entries for a tensor of {numel} elements")
+        flags, index_code, value_code = word3 & 0xFF, (word3 >> 8) & 0xFF, (word3 >> 16) & 0xFF
+        if index_code >= len(INDEX_ENCODINGS) or value_code >= len(VALUE_DTYPES) or word3 >> 24:
+            _fail(name, rank, f"has an unknown encoding word {word3:#010x}")
+        index, values = INDEX_ENCODINGS[index_code], VALUE_DTYPES[value_code]
+        if (index == "int32" and tokens != c) or not c <= tokens <= numel:
+            _fail(name, rank, f"has {tokens} index tokens for {c} entries")
+        idx_words = c if index == "int32" else math.ceil(tokens / 2)
+        val_words = c if values == "float32" else math.ceil(c / 2)
+        start = pos + HEADER_WORDS
+        end = start + idx_words + val_words
         if end > total:
-            raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} is truncated: "
-                                  f"{c} entries need {2 * c} words, {total - start} left")
+            _fail(name, rank, f"is truncated: {c} entries need {idx_words + val_words} words, "
+                              f"{total - start} left")
         nonfinite |= bool(flags & FLAG_NONFINITE)
         if c:
-            idx = B.slice(gathered, start, start + c)
+            iw = B.slice(gathered, start, start + idx_words)
+            if index == "int32":
+                idx = iw
+            else:
+                toks = B.unpack16(iw, tokens)
+                is_entry = toks != 0
+                if B.count_true(is_entry) != c:
+                    _fail(name, rank, f"has {B.count_true(is_entry)} index tokens with entries, "
+                                      f"header says {c}")
+                idx = B.mask(B.cumsum(B.where(is_entry, toks, _ESCAPE)) - 1, is_entry)
             lo, hi = B.min_max(idx)
             if lo < 0 or hi >= numel:
-                raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} has index "
-                                      f"{lo if lo < 0 else hi} outside [0, {numel})")
-            B.index_add_(dense, idx, B.bits_float32(B.slice(gathered, start + c, end)))
+                _fail(name, rank, f"has index {lo if lo < 0 else hi} outside [0, {numel})")
+            vw = B.slice(gathered, start + idx_words, end)
+            vals = B.bits_float32(vw) if values == "float32" else B.unpack_fp16(vw, c)
+            B.index_add_(dense, idx, vals)
         pos = end
     if pos != total:
         raise WireFormatError(f"DGC payload of tensor {name!r} has {total - pos} unexpected "

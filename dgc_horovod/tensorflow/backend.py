@@ -66,3 +66,36 @@ class TFBackend(Backend):
     def to_list(self, x): return [int(i) for i in x.numpy()]
     def min_max(self, x): return int(tf.reduce_min(x)), int(tf.reduce_max(x))
     def generator(self, seed): return tf.random.Generator.from_seed(seed)
+
+    def sort(self, idx): return tf.sort(idx)
+    def int64_tensor(self, values, like=None): return tf.constant(values, tf.int64)
+    def int64_zeros(self, n, like=None): return tf.zeros([n], tf.int64)
+    def cumsum(self, x): return tf.cumsum(x)
+    def put(self, x, pos, vals): return tf.tensor_scatter_nd_update(x, _col(pos), vals)
+
+    def where(self, cond, a, b):
+        return tf.where(cond, a, tf.cast(b, a.dtype) if not tf.is_tensor(b) else b)
+
+    def mask(self, x, cond): return tf.boolean_mask(x, cond)
+    def count_true(self, cond): return int(tf.math.count_nonzero(cond))
+
+    def pack16(self, tokens):
+        t = tf.cast(tokens, tf.uint16)
+        if int(tf.size(t)) % 2:
+            t = tf.concat([t, tf.zeros([1], tf.uint16)], 0)
+        return tf.bitcast(tf.reshape(t, [-1, 2]), tf.int32)
+
+    def unpack16(self, words, n):
+        return tf.cast(tf.reshape(tf.bitcast(words, tf.uint16), [-1])[:n], tf.int64)
+
+    def pack_fp16(self, x):
+        h = tf.cast(x, tf.float16)
+        if int(tf.size(h)) % 2:
+            h = tf.concat([h, tf.zeros([1], tf.float16)], 0)
+        return tf.bitcast(tf.reshape(h, [-1, 2]), tf.int32)
+
+    def unpack_fp16(self, words, n):
+        return tf.cast(tf.reshape(tf.bitcast(words, tf.float16), [-1])[:n], tf.float32)
+
+    def to_fp16_and_back(self, x): return tf.cast(tf.cast(x, tf.float16), tf.float32)
+    def clamp(self, x, lo, hi): return tf.clip_by_value(x, lo, hi)

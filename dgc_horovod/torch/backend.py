@@ -50,3 +50,41 @@ class TorchBackend(Backend):
         return int(lo), int(hi)
 
     def generator(self, seed): return torch.Generator().manual_seed(seed)
+
+    def sort(self, idx): return torch.sort(idx).values
+
+    def int64_tensor(self, values, like):
+        return torch.tensor(values, dtype=torch.int64, device=like.device)
+
+    def int64_zeros(self, n, like): return torch.zeros(n, dtype=torch.int64, device=like.device)
+    def cumsum(self, x): return torch.cumsum(x, 0)
+
+    def put(self, x, pos, vals):
+        return x.index_copy(0, pos, vals)
+
+    def where(self, cond, a, b): return torch.where(cond, a, b)
+    def mask(self, x, cond): return x[cond]
+    def count_true(self, cond): return int(cond.sum())
+
+    def pack16(self, tokens):
+        t = tokens - (tokens >= 32768).to(torch.int64) * 65536          # as signed int16
+        if t.numel() % 2:
+            t = torch.cat([t, t.new_zeros(1)])
+        return t.to(torch.int16).contiguous().view(torch.int32)
+
+    def unpack16(self, words, n):
+        return words.contiguous().view(torch.int16)[:n].to(torch.int64) & 0xFFFF
+
+    def pack_fp16(self, x):
+        if x.numel() == 0:
+            return torch.empty(0, dtype=torch.int32, device=x.device)
+        h = x.to(torch.float16)
+        if h.numel() % 2:
+            h = torch.cat([h, h.new_zeros(1)])
+        return h.contiguous().view(torch.int32)
+
+    def unpack_fp16(self, words, n):
+        return words.contiguous().view(torch.float16)[:n].to(torch.float32)
+
+    def to_fp16_and_back(self, x): return x.to(torch.float16).to(torch.float32)
+    def clamp(self, x, lo, hi): return x.clamp(lo, hi)
