@@ -46,6 +46,9 @@ def parse_args():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--compression", choices=["none", "fp16", "dgc"], default="dgc",
                    help="gradient compression used by hvd.DistributedOptimizer")
+    p.add_argument("--min-sparse-numel", type=int, default=None,
+                   help="DGC: tensors with fewer elements use the dense allreduce "
+                        "(default: the library's)")
     p.add_argument("--compress-ratio", type=float, default=0.001,
                    help="DGC: fraction of each large gradient sent per step after warm-up")
     p.add_argument("--warmup-epochs", type=float, default=4,
@@ -144,7 +147,8 @@ def main():
                          f"more.\n")
     dgc = None
     if args.compression == "dgc" and not single:
-        dgc = DGC(compress_ratio=args.compress_ratio, momentum=args.momentum,
+        extra = {} if args.min_sparse_numel is None else {"min_sparse_numel": args.min_sparse_numel}
+        dgc = DGC(compress_ratio=args.compress_ratio, momentum=args.momentum, **extra,
                   warmup_epochs=args.warmup_epochs)
         compression = dgc
         optimizer = torch.optim.SGD(params, lr=lr, momentum=0.0)  # DGC applies the momentum

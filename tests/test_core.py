@@ -871,7 +871,7 @@ def test_ratio_one_weight_decay_equals_sgd_weight_decay(backend):
 def test_dense_small_tensor_sends_velocity(backend, nesterov):
     rng = np.random.default_rng(11)
     m = 0.9
-    core = make_ranks(1, backend, momentum=m, nesterov=nesterov)[0]        # min_sparse_numel 1024
+    core = make_ranks(1, backend, momentum=m, nesterov=nesterov, min_sparse_numel=1024)[0]
     u = np.zeros(12, F32)
     for _ in range(3):
         g = rng.standard_normal((3, 4)).astype(F32)
@@ -968,7 +968,7 @@ def test_nonfinite_step_is_nan_everywhere_and_nothing_is_lost(backend):
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_nonfinite_dense_small_tensor(backend):
-    core = make_ranks(1, backend, momentum=0.9)[0]
+    core = make_ranks(1, backend, momentum=0.9, min_sparse_numel=1024)[0]
     core.compress("b", to_backend(core.B, np.ones(8, F32)), 1)
     u0 = state_np(core, "b")[0]
     g = np.ones(8, F32)

@@ -25,7 +25,7 @@ def run(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", ["set_to_none", "zero_grad_false", "backward_passes_2",
-                                     "groups_2"])
+                                     "groups_2", "all_sparse"])
 def test_parameters_bit_identical_after_20_steps(run, variant):
     r = run[0]["identical"][variant]
     assert r["identical"], "ranks diverged"
@@ -33,6 +33,9 @@ def test_parameters_bit_identical_after_20_steps(run, variant):
     assert r["steps_counted"] == 20
     # aux.* has no gradient on odd steps; its state exists all the same (Horovod sends zeros)
     assert len(r["states"]) == 6
+    if variant == "all_sparse":                 # the default min_sparse_numel=1: biases too
+        assert r["sparse"] == r["states"]
+        return
     assert [n.rsplit(".", 2)[-2:] for n in r["sparse"]] == [["aux", "weight"], ["fc1", "weight"],
                                                            ["fc2", "weight"]]
     # density 0.01: k = 82 + 13 + 13 = 108; sampled selection stays within [k/2, k] per tensor

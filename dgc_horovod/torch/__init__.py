@@ -106,7 +106,7 @@ class DGC(Compressor):
 
     Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig` (compress_ratio=0.001,
     momentum=0.9, nesterov=False, momentum_masking=True, clip_norm=None, weight_decay=0.0,
-    sample_ratio=0.01, exact_topk=False, min_sparse_numel=1024, warmup_epochs=4,
+    sample_ratio=0.01, exact_topk=False, min_sparse_numel=1, warmup_epochs=4,
     warmup_initial_density=0.25, warmup_per_step=False, seed=0), or pass ``config=DGCConfig(...)``.
 
     Use one DGC object per DistributedOptimizer, created identically on every rank.

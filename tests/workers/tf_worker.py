@@ -83,7 +83,7 @@ def states_info(dgc):
 def scenario_identical(results):
     out = {}
     for mode in ("eager", "function"):
-        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
         model = make_model()
         before = flat(model).numpy()
         train_tape(model, dgc, function=(mode == "function"))
@@ -109,7 +109,7 @@ def scenario_equivalence(results):
 
 
 def scenario_wire(results):
-    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
     model = make_model()
     train_tape(model, dgc, steps=5)
     st = dgc.total_stats
@@ -123,7 +123,7 @@ def scenario_wire(results):
 def scenario_indexed_slices(results):
     out = {}
     for sad in (False, True):
-        dgc = DGC(compress_ratio=0.05, momentum=0.9, warmup_epochs=0)
+        dgc = DGC(compress_ratio=0.05, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
         model = make_model(embedding=True)
         train_tape(model, dgc, steps=6, sparse_as_dense=sad, embedding=True)
         out[str(sad)] = dict(identical=identical(model), **states_info(dgc))
@@ -131,7 +131,7 @@ def scenario_indexed_slices(results):
 
 
 def scenario_nonfinite(results):
-    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
     model = make_model()
     skipped = train_tape(model, dgc, steps=8, nan_at=3)
     finite = all(bool(tf.reduce_all(tf.math.is_finite(t))) for s in dgc.states.values()
@@ -141,7 +141,7 @@ def scenario_nonfinite(results):
 
 
 def scenario_keras_fit(results):
-    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=2)
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=2, min_sparse_numel=1024)
     model = make_model()
     opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(LR), compression=dgc)
     model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(True))

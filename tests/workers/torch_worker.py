@@ -80,10 +80,12 @@ def scenario_identical(results, prefix_base):
         "zero_grad_false": dict(zero="zeros"),
         "backward_passes_2": dict(bpps=2),
         "groups_2": dict(),
+        "all_sparse": dict(),
     }
     out = {}
     for name, kw in variants.items():
-        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0,
+                  min_sparse_numel=1 if name == "all_sparse" else 1024)
         opt_kw = {}
         if name == "backward_passes_2":
             opt_kw["backward_passes_per_step"] = 2
@@ -124,7 +126,7 @@ def scenario_equivalence(results, prefix_base):
 
 def scenario_wire(results, prefix):
     """Per-rank statistics, to be compared with the Horovod timeline by the test."""
-    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
     model, opt = make(prefix, dgc)
     train(model, opt, steps=5, aux_every=1)
     st = dgc.total_stats
@@ -137,7 +139,7 @@ def scenario_wire(results, prefix):
 
 def scenario_nonfinite(results, prefix):
     """Rank 1 produces a NaN loss at step 3: every rank sees it, no state is poisoned."""
-    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
     model, opt = make(prefix, dgc)
     data = batches(8, 100 + hvd.rank())
     seen = []
