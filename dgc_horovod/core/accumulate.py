@@ -12,51 +12,52 @@ _EPS = 1e-6
 
 
 def clip_by_local_norm(B, g, clip_norm, world_size):
-    """Local gradient clipping (§3.2): rescale g in place to L2 norm ≤ clip_norm · N^(-1/2).
+    """Local gradient clipping (§3.2): the factor that brings g to L2 norm ≤ clip_norm · N^(-1/2).
 
     Clipping happens on each worker before its gradient is accumulated; the threshold is scaled by
     N^(-1/2) because the sum of N independent local gradients has about √N times their norm.
 
     Args:
-        B: backend. g: flat float32 gradient (modified in place).
-        clip_norm (float or None): the global threshold; None returns g unchanged.
+        B: backend. g: flat float32 gradient (not modified).
+        clip_norm (float or None): the global threshold; None means no clipping.
         world_size (int): N, number of workers (>= 1).
-    Returns: g.
+    Returns:
+        float: the scale s in (0, 1] to apply to g (1.0 without clipping).
     """
     if clip_norm is None:
-        return g
+        return 1.0
     threshold = clip_norm * world_size ** -0.5
-    scale = B.minimum(threshold / (B.norm(g) + _EPS), 1.0)
-    B.mul_(g, scale)
-    return g
+    return min(1.0, threshold / (float(B.norm(g)) + _EPS))
 
 
-def add_weight_decay(B, g, w, weight_decay):
-    """g ← g + λ·w in place (weight decay joins the gradient before momentum correction)."""
-    if weight_decay and w is not None:
-        B.add_(g, w, alpha=weight_decay)
-    return g
+def add_weight_decay(B, g, w, weight_decay, scale=1.0):
+    """A new tensor scale·g + λ·w (weight decay joins the clipped gradient before momentum
+    correction, as in the paper's implementation)."""
+    out = B.float32_flat(g)
+    if scale != 1.0:
+        B.mul_(out, scale)
+    B.add_(out, w, alpha=weight_decay)
+    return out
 
 
-def momentum_correction(B, u, v, g, momentum, nesterov=False):
+def momentum_correction(B, u, v, g, momentum, nesterov=False, scale=1.0):
     """Momentum correction (§3.1, eq. 5–6): accumulate velocity, not raw gradient.
 
-    Classic:   u ← m·u + g ;  v ← v + u
-    Nesterov:  u ← m·u + g ;  v ← v + g + m·u
-    With m = 0 this is plain error feedback: v ← v + g.
+    Classic:   u ← m·u + s·g ;  v ← v + u
+    Nesterov:  u ← m·u + s·g ;  v ← v + s·g + m·u
+    With m = 0 this is plain error feedback: v ← v + s·g. s is the clipping factor.
 
     Args:
-        B: backend. u, v: flat float32 state (updated in place). g: flat float32 gradient.
-        momentum (float): m in [0, 1). nesterov (bool).
+        B: backend. u, v: flat float32 state (updated in place). g: flat float32 gradient
+        (read only). momentum (float): m in [0, 1). nesterov (bool). scale (float): s.
     Returns: (u, v).
     """
     if momentum == 0.0:
-        B.add_(v, g)
+        B.add_(v, g, alpha=scale)
         return u, v
-    B.mul_(u, momentum)
-    B.add_(u, g)
+    B.scale_add_(u, momentum, g, scale)
     if nesterov:
-        B.add_(v, g)
+        B.add_(v, g, alpha=scale)
         B.add_(v, u, alpha=momentum)
     else:
         B.add_(v, u)

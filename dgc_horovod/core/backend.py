@@ -24,6 +24,9 @@ class Backend:
     def zeros(self, n, like): raise NotImplementedError        # float32 zeros (n,)
     def empty_indices(self, like): raise NotImplementedError   # int64 (0,)
     def float32_flat(self, x): raise NotImplementedError       # float32 1-D copy of x
+    def float32_view(self, x): raise NotImplementedError       # float32 1-D, read only (no copy
+                                                               # when x already is float32)
+    def scale_add_(self, x, a, y, b): raise NotImplementedError  # x = a*x + b*y
     def is_floating(self, x): raise NotImplementedError        # -> bool
     def all_finite(self, x): raise NotImplementedError         # -> bool
     # --- arithmetic
@@ -78,6 +81,11 @@ class NumpyBackend(Backend):
     def zeros(self, n, like=None): return np.zeros(n, dtype=np.float32)
     def empty_indices(self, like=None): return np.zeros(0, dtype=np.int64)
     def float32_flat(self, x): return np.asarray(x, dtype=np.float32).reshape(-1).copy()
+    def float32_view(self, x): return np.asarray(x, dtype=np.float32).reshape(-1)
+
+    def scale_add_(self, x, a, y, b):
+        x *= np.float32(a)
+        x += y if b == 1.0 else np.float32(b) * y
     def is_floating(self, x): return np.issubdtype(np.asarray(x).dtype, np.floating)
     def all_finite(self, x): return bool(np.isfinite(x).all())
     def norm(self, x): return np.float32(np.sqrt(np.dot(x, x, out=None)))

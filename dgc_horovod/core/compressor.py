@@ -159,7 +159,7 @@ class DGCCore:
         t0 = time.perf_counter()
         with self._lock:
             st = self._state(name, grad)
-            g = B.float32_flat(grad)
+            g = B.float32_view(grad)                  # read only from here on
             if not B.all_finite(g):
                 if st.sparse:
                     out = self._encode(st.numel, B.empty_indices(like=g), B.zeros(0, like=g),
@@ -167,18 +167,19 @@ class DGCCore:
                     result = ("sparse", out, SparseContext(name, st.numel, None, None, None))
                     nbytes = 4 * B.numel(out) + PLACEHOLDER_BYTES
                 else:
-                    result, nbytes = ("dense", g, None), 4 * st.numel
+                    result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
                 self._count(st, 0, nbytes, True, time.perf_counter() - t0)
                 return result
-            clip_by_local_norm(B, g, c.clip_norm, world_size)
+            scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
             if c.weight_decay:
-                add_weight_decay(B, g, B.float32_flat(param), c.weight_decay)
+                g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
+                scale = 1.0
             if not st.sparse:
                 v = B.zeros(st.numel, like=g)
-                momentum_correction(B, st.u, v, g, c.momentum, c.nesterov)
+                momentum_correction(B, st.u, v, g, c.momentum, c.nesterov, scale)
                 self._count(st, 0, 4 * st.numel, False, time.perf_counter() - t0)
                 return "dense", v, None
-            momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov)
+            momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov, scale)
             k = k_for(st.numel, self.density)
             idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
             if c.wire_index == "delta16":

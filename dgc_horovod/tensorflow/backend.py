@@ -29,6 +29,9 @@ class TFBackend(Backend):
     def float32_flat(self, x):
         return tf.Variable(tf.reshape(tf.cast(x, tf.float32), [-1]), trainable=False)
 
+    def float32_view(self, x): return tf.reshape(tf.cast(x, tf.float32), [-1])
+    def scale_add_(self, x, a, y, b): x.assign(a * x + b * tf.convert_to_tensor(y))
+
     def is_floating(self, x): return bool(getattr(x, "dtype", None) is not None and x.dtype.is_floating)
     def all_finite(self, x): return bool(tf.reduce_all(tf.math.is_finite(x)))
     def norm(self, x): return tf.norm(x)

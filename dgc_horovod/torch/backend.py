@@ -15,8 +15,20 @@ class TorchBackend(Backend):
     def zeros(self, n, like): return torch.zeros(n, dtype=torch.float32, device=like.device)
     def empty_indices(self, like): return torch.empty(0, dtype=torch.int64, device=like.device)
     def float32_flat(self, x): return x.detach().reshape(-1).to(torch.float32, copy=True)
+    def float32_view(self, x): return x.detach().reshape(-1).to(torch.float32)
+
+    def scale_add_(self, x, a, y, b):
+        if b == 1.0:
+            torch.add(y, x, alpha=a, out=x)                 # one pass: x = y + a*x
+        else:
+            x.mul_(a).add_(y, alpha=b)
+
     def is_floating(self, x): return isinstance(x, torch.Tensor) and x.is_floating_point()
-    def all_finite(self, x): return bool(torch.isfinite(x).all())
+
+    def all_finite(self, x):
+        # one read-only reduction: NaN/Inf anywhere make the float64 sum non-finite, and float32
+        # values cannot overflow a float64 sum
+        return bool(torch.isfinite(x.sum(dtype=torch.float64)))
     def norm(self, x): return torch.linalg.vector_norm(x)
     def minimum(self, a, b): return torch.clamp(a, max=b)
     def mul_(self, x, a): x.mul_(a)
