@@ -5,6 +5,8 @@ framework; it calls these methods on flat (1-D) tensors. `NumpyBackend` is the r
 the tests; the PyTorch and TensorFlow adapters provide their own. Methods ending in ``_`` update
 their first argument in place.
 """
+import copy
+
 import numpy as np
 
 __all__ = ["Backend", "NumpyBackend"]
@@ -34,7 +36,8 @@ class Backend:
     def minimum(self, a, b): raise NotImplementedError         # elementwise min of scalars
     def mul_(self, x, a): raise NotImplementedError            # x *= a
     def add_(self, x, y, alpha=1.0): raise NotImplementedError  # x += alpha * y
-    def abs(self, x): raise NotImplementedError
+    def abs(self, x): raise NotImplementedError                # may reuse a scratch buffer:
+                                                               # valid until the next abs()
     # --- selection
     def topk_indices(self, x, k): raise NotImplementedError    # indices of the k largest of x
     def kth_largest(self, x, k): raise NotImplementedError     # the k-th largest value, scalar
@@ -70,6 +73,11 @@ class Backend:
     def unpack_fp16(self, words, n): raise NotImplementedError  # -> n float32
     def to_fp16_and_back(self, x): raise NotImplementedError   # float32 rounded through float16
     def clamp(self, x, lo, hi): raise NotImplementedError      # elementwise, new tensor
+    # --- checkpoints (DGCCore.state_dict / load_state_dict); state is restored with float32_flat
+    def state_copy(self, x): raise NotImplementedError         # copy of a state tensor, detached
+                                                               # from later in-place updates
+    def generator_state(self, generator): raise NotImplementedError  # a copy of its state
+    def set_generator_state(self, generator, state): raise NotImplementedError
 
 
 class NumpyBackend(Backend):
@@ -164,3 +172,9 @@ class NumpyBackend(Backend):
 
     def to_fp16_and_back(self, x): return x.astype(np.float16).astype(np.float32)
     def clamp(self, x, lo, hi): return np.clip(x, lo, hi)
+
+    def state_copy(self, x): return np.array(x, dtype=np.float32, copy=True)
+    def generator_state(self, generator): return copy.deepcopy(generator.bit_generator.state)
+
+    def set_generator_state(self, generator, state):
+        generator.bit_generator.state = copy.deepcopy(state)

@@ -29,11 +29,32 @@ from dgc_horovod.core.stats import CompressionStats
 from dgc_horovod.core.warmup import density_at
 from dgc_horovod.core import wire
 
-__all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES"]
+__all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
 _FP16_MAX = 65504.0
 #: Bytes of the 1-element float32 placeholder a sparsified tensor sends through the stock allreduce.
 PLACEHOLDER_BYTES = 4
+
+
+#: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load).
+STATE_DICT_VERSION = 1
+_STATE_KEYS = ("version", "config", "epoch", "world_size", "rank", "tensors", "generator",
+               "total_stats", "step_stats")
+_MISSING = object()
+
+
+def _stats_dict(stats):
+    return {k: getattr(stats, k) for k in CompressionStats.__slots__}
+
+
+def _stats_from(d, key):
+    if not isinstance(d, dict) or set(d) != set(CompressionStats.__slots__):
+        raise ValueError(f"DGC state_dict {key!r} must be a dict of the CompressionStats fields "
+                         f"{', '.join(CompressionStats.__slots__)}")
+    out = CompressionStats()
+    for k in CompressionStats.__slots__:
+        setattr(out, k, d[k])
+    return out
 
 
 class TensorState:
@@ -101,6 +122,136 @@ class DGCCore:
         if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}")
         self.set_epoch(step / steps_per_epoch)
+
+    # ----------------------------------------------------------------- checkpoint / resume
+    def state_dict(self, world_size=None, rank=None):
+        """Everything needed to resume this worker bit-identically, as a plain dict.
+
+        Call it between steps (not between a compress and its decompress). The dict holds copies,
+        so later training does not change it. Its tensors are backend tensors (float32 u and v;
+        the generator state as the backend keeps it); the rest is Python scalars, strings and
+        dicts, so ``torch.save`` / ``torch.load(weights_only=True)`` or pickle can store it.
+
+        Args:
+            world_size (int or None), rank (int or None): the job this state belongs to. The
+                residuals are per rank, so :meth:`load_state_dict` checks them.
+        Returns:
+            dict with keys: version (STATE_DICT_VERSION), config (DGCConfig.to_dict()), epoch,
+            world_size, rank, tensors ({name: {numel, sparse, u, v}}; u is None with momentum 0,
+            v is None for dense tensors), generator (the threshold-sampling generator's state),
+            total_stats and step_stats (CompressionStats counters as dicts).
+        """
+        B = self.B
+        with self._lock:
+            tensors = {name: {"numel": st.numel, "sparse": st.sparse,
+                              "u": None if st.u is None else B.state_copy(st.u),
+                              "v": None if st.v is None else B.state_copy(st.v)}
+                       for name, st in self.states.items()}
+            return {
+                "version": STATE_DICT_VERSION,
+                "config": self.config.to_dict(),
+                "epoch": self.epoch,
+                "world_size": world_size,
+                "rank": rank,
+                "tensors": tensors,
+                "generator": B.generator_state(self._generator),
+                "total_stats": _stats_dict(self.total_stats),
+                "step_stats": _stats_dict(self.step_stats),
+            }
+
+    def load_state_dict(self, state_dict, world_size=None, rank=None, reset_residuals=False):
+        """Restore what :meth:`state_dict` returned; all checks run before anything changes.
+
+        Args:
+            state_dict (dict): from :meth:`state_dict` (possibly through torch.save/torch.load;
+                tensors are converted with the backend's ``float32_flat``, on their device).
+            world_size (int or None), rank (int or None): the job loading it. When both the
+                checkpoint and the caller give them and they differ, loading is refused, since
+                a residual belongs to the rank that accumulated it.
+            reset_residuals (bool): keep config, warm-up epoch, generator and statistics but drop
+                every tensor's velocity u and residual v (they restart at zero). Allowed with a
+                different world size or rank. The dropped residual is gradient that was never
+                applied: a small one-off perturbation of training.
+        Raises:
+            ValueError: a different config (the message names the differing keys), a different
+                world size or rank (without reset_residuals), or a malformed state dict.
+            TypeError: state_dict is not a dict.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"DGC state_dict must be a dict, got {type(state_dict).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(f"not a DGC state_dict: missing key(s) {', '.join(missing)}")
+        if state_dict["version"] != STATE_DICT_VERSION:
+            raise ValueError(f"DGC state_dict version {state_dict['version']!r} is not supported "
+                             f"(this dgc_horovod writes and reads version {STATE_DICT_VERSION})")
+        saved, now = state_dict["config"], self.config.to_dict()
+        if not isinstance(saved, dict):
+            raise ValueError("DGC state_dict 'config' must be a dict (DGCConfig.to_dict())")
+        differ = sorted(k for k in set(saved) | set(now)
+                        if saved.get(k, _MISSING) != now.get(k, _MISSING))
+        if differ:
+            detail = "; ".join(f"{k}: saved {saved.get(k, '<absent>')!r}, now "
+                               f"{now.get(k, '<absent>')!r}" for k in differ)
+            raise ValueError(f"DGC checkpoint was saved with a different config "
+                             f"({', '.join(differ)} differ: {detail}); create DGC with the "
+                             "saved settings, "
+                             "DGCConfig(**state_dict['config'])")
+        saved_ws, saved_rank = state_dict["world_size"], state_dict["rank"]
+        if not reset_residuals:
+            if None not in (saved_ws, world_size) and saved_ws != world_size:
+                raise ValueError(
+                    f"DGC checkpoint was saved by a job of {saved_ws} ranks, this job has "
+                    f"{world_size}: DGC state is per rank (each rank's residuals hold the part of "
+                    "its own gradients it has not sent yet), so it cannot be mapped onto another "
+                    "world size. Resume with the same number of ranks, each loading its own file, "
+                    "or pass reset_residuals=True to keep config and warm-up epoch and restart "
+                    "the residuals at zero (the dropped residual is lost gradient, a small "
+                    "one-off perturbation)")
+            if None not in (saved_rank, rank) and saved_rank != rank:
+                raise ValueError(
+                    f"DGC checkpoint was saved by rank {saved_rank}, loaded on rank {rank}: DGC "
+                    "state is per rank (residuals differ between ranks); each rank must load the "
+                    "file it saved itself (or pass reset_residuals=True)")
+        density_at(state_dict["epoch"], self.config.compress_ratio)     # validates the epoch
+        states = {} if reset_residuals else self._states_from(state_dict["tensors"])
+        total, step = (_stats_from(state_dict[k], k) for k in ("total_stats", "step_stats"))
+        with self._lock:
+            self.B.set_generator_state(self._generator, state_dict["generator"])
+            self.states = states
+            self.epoch = float(state_dict["epoch"])
+            self.total_stats, self.step_stats = total, step
+            self._step_names = set()
+
+    def _states_from(self, tensors):
+        B, c = self.B, self.config
+        if not isinstance(tensors, dict):
+            raise ValueError("DGC state_dict 'tensors' must be a dict "
+                             "{name: {numel, sparse, u, v}}")
+        states = {}
+        for name, t in tensors.items():
+            try:
+                numel, sparse, u, v = t["numel"], t["sparse"], t["u"], t["v"]
+            except (TypeError, KeyError):
+                raise ValueError(f"DGC state of {name!r} must be a dict with keys numel, sparse, "
+                                 "u, v") from None
+            if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+                raise ValueError(f"DGC state of {name!r} has numel {numel!r}, not an int >= 1")
+            wire.check_numel(numel, name)
+            if bool(sparse) != (numel >= c.min_sparse_numel):
+                raise ValueError(f"DGC state of {name!r} says sparse={sparse!r} for {numel} "
+                                 f"elements, but min_sparse_numel={c.min_sparse_numel}")
+            for key, tensor, wanted in (("u", u, c.momentum > 0), ("v", v, bool(sparse))):
+                if (tensor is not None) != wanted:
+                    raise ValueError(f"DGC state of {name!r}: {key} is "
+                                     f"{'missing' if wanted else 'present but not expected'}")
+                if tensor is not None and B.numel(tensor) != numel:
+                    raise ValueError(f"DGC state of {name!r}: {key} has {B.numel(tensor)} "
+                                     f"elements, expected {numel}")
+            states[name] = TensorState(
+                name, numel, bool(sparse),
+                None if u is None else B.float32_flat(u), None if v is None else B.float32_flat(v))
+        return states
 
     # ----------------------------------------------------------------- state
     def _state(self, name, grad):

@@ -102,3 +102,7 @@ class TFBackend(Backend):
 
     def to_fp16_and_back(self, x): return tf.cast(tf.cast(x, tf.float16), tf.float32)
     def clamp(self, x, lo, hi): return tf.clip_by_value(x, lo, hi)
+
+    def state_copy(self, x): return tf.identity(tf.convert_to_tensor(x))
+    def generator_state(self, generator): return tf.identity(generator.state)
+    def set_generator_state(self, generator, state): generator.reset(state)

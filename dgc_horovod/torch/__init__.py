@@ -91,6 +91,15 @@ def _owns(p, tensor):
     return g is tensor or (g is not None and g.is_sparse and g.shape == tensor.shape)
 
 
+def _job(process_set):
+    """(size, rank) of ``process_set`` (default: Horovod's global process set)."""
+    if not hvd.is_initialized():
+        raise RuntimeError("call hvd.init() before DGC.state_dict / load_state_dict: DGC state is "
+                           "per rank and records the world size and rank it belongs to")
+    ps = hvd.global_process_set if process_set is None else process_set
+    return ps.size(), ps.rank()
+
+
 class _Pending:
     """ctx of a sparsified tensor between compress and decompress."""
 
@@ -110,6 +119,17 @@ class DGC(Compressor):
     warmup_initial_density=0.25, warmup_per_step=False, seed=0), or pass ``config=DGCConfig(...)``.
 
     Use one DGC object per DistributedOptimizer, created identically on every rank.
+
+    Checkpoint and resume: DGC state is per rank (each rank's residual v holds the part of its own
+    gradients it has not sent yet), so each rank saves its own file, e.g.
+    ``torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+    "dgc": dgc.state_dict()}, f"ckpt.rank{hvd.rank()}.pt")``, and on resume loads that same
+    file on the same rank of a job of the same size with ``dgc.load_state_dict(ckpt["dgc"])``;
+    training then continues bit-identically to an uninterrupted run. Loading with a different
+    config, world size or rank raises ValueError; ``load_state_dict(sd, reset_residuals=True)``
+    keeps config, warm-up epoch and sampling generator but drops the velocities and residuals
+    (the dropped residual is lost gradient, a small one-off perturbation), e.g. to resume on a
+    different number of ranks.
 
     Attributes:
         config (DGCConfig): the settings. stats (CompressionStats): the most recent step's
@@ -159,6 +179,40 @@ class DGC(Compressor):
     def states(self):
         """Per-parameter :class:`~dgc_horovod.core.compressor.TensorState`, keyed by name."""
         return self._core.states
+
+    # checkpoint and resume ---------------------------------------------------------------
+    def state_dict(self, process_set=None):
+        """This rank's DGC state, to save in this rank's own checkpoint file.
+
+        A plain dict (see :meth:`dgc_horovod.core.DGCCore.state_dict`): config, warm-up epoch,
+        every parameter's velocity u, residual v and sparse flag keyed by parameter name, the
+        threshold-sampling generator state, the cumulative statistics, and the world size and
+        rank of ``process_set`` (default: the global one). Copies, safe to keep. Call it between
+        steps, e.g. after ``opt.step()``. ``torch.load(..., weights_only=True)`` can read it.
+        """
+        world, rank = _job(process_set)
+        return self._core.state_dict(world_size=world, rank=rank)
+
+    def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
+        """Restore :meth:`state_dict` of the same rank; resuming is then bit-identical.
+
+        Create the DGC with the same settings first. Tensors keep the device they are loaded on:
+        use ``torch.load(path, map_location=...)`` matching the parameters' device.
+
+        Args:
+            state_dict (dict): what :meth:`state_dict` returned on this rank.
+            reset_residuals (bool): keep config, warm-up epoch, generator and statistics, but
+                drop every u and v (they restart at zero); the way to resume with a different
+                number of ranks. The dropped residual is gradient that is never applied: a small
+                one-off perturbation.
+            process_set: the Horovod process set DGC runs in (default: the global one).
+        Raises:
+            ValueError: a different config (names the differing keys); a different world size or
+                rank without ``reset_residuals`` (residuals are per rank); a malformed dict.
+        """
+        world, rank = _job(process_set)
+        self._core.load_state_dict(state_dict, world_size=world, rank=rank,
+                                   reset_residuals=reset_residuals)
 
     # Horovod Compressor API ---------------------------------------------------------------
     def compress(self, tensor):
