@@ -3,7 +3,8 @@
 Launches itself under ``horovodrun -np 2`` (Gloo) with HOROVOD_TIMELINE, trains a model whose
 parameters have ResNet-50's 161 shapes (synthetic gradients: loss = Σ_p ⟨p, c_p⟩ with fixed random
 c_p, so backward produces every gradient through Horovod's hooks) with the stock
-``hvd.DistributedOptimizer`` and, in turn, ``--compression none`` and ``dgc``. From Horovod's own
+``hvd.DistributedOptimizer`` and, in turn, no compression, DGC with one allgather per tensor
+(``bucket_numel=0``, before) and DGC with its default buckets (after). From Horovod's own
 timeline it counts per step: the collective *requests* (one allreduce per tensor, plus one
 allgather per sparsified tensor for DGC), and the collectives Horovod actually *executed* after
 its tensor fusion (requests that start at the same timestamp are one fused operation).
@@ -37,8 +38,11 @@ def worker(args):
     params = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(s)) for _, s in resnet50())
     coeffs = [torch.randn(p.shape) for p in params]
     named = [(n, p) for (n, _), p in zip(resnet50(), params)]
-    compression = (DGC(compress_ratio=0.001, momentum=0.9, warmup_epochs=0)
-                   if args.compression == "dgc" else hvd.Compression.none)
+    if args.compression == "none":
+        compression = hvd.Compression.none
+    else:                                    # "dgc" (default buckets) or "dgc-per-tensor"
+        compression = DGC(compress_ratio=0.001, momentum=0.9, warmup_epochs=0,
+                          bucket_numel=0 if args.compression == "dgc-per-tensor" else 2 ** 22)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1e-3), named_parameters=named,
                                    compression=compression)
     for _ in range(args.steps):
@@ -72,8 +76,8 @@ def main():
         return worker(args)
     bindir = os.path.dirname(sys.executable)
     print(f"ResNet-50 shapes (161 tensors), 2 ranks (Gloo), {args.steps} steps; per step:")
-    print(f"{'compression':>12} {'kind':>10} {'requested':>10} {'executed (fused)':>17}")
-    for compression in ("none", "dgc"):
+    print(f"{'compression':>15} {'kind':>10} {'requested':>10} {'executed (fused)':>17}")
+    for compression in ("none", "dgc-per-tensor", "dgc"):
         with tempfile.TemporaryDirectory() as tmp:
             tl = os.path.join(tmp, "timeline.json")
             env = dict(os.environ, HOROVOD_TIMELINE=tl, TF_CPP_MIN_LOG_LEVEL="3")
@@ -82,7 +86,7 @@ def main():
                             str(args.steps), "--compression", compression],
                            env=env, check=True, capture_output=True)
             for kind, (req, exe) in sorted(count(tl, args.steps).items()):
-                print(f"{compression:>12} {kind:>10} {req:>10.1f} {exe:>17.1f}")
+                print(f"{compression:>15} {kind:>10} {req:>10.1f} {exe:>17.1f}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ def run(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", ["set_to_none", "zero_grad_false", "backward_passes_2",
-                                     "groups_2", "all_sparse"])
+                                     "groups_2", "all_sparse", "per_tensor_allgather",
+                                     "small_buckets"])
 def test_parameters_bit_identical_after_20_steps(run, variant):
     r = run[0]["identical"][variant]
     assert r["identical"], "ranks diverged"
@@ -33,7 +34,7 @@ def test_parameters_bit_identical_after_20_steps(run, variant):
     assert r["steps_counted"] == 20
     # aux.* has no gradient on odd steps; its state exists all the same (Horovod sends zeros)
     assert len(r["states"]) == 6
-    if variant == "all_sparse":                 # the default min_sparse_numel=1: biases too
+    if variant in ("all_sparse", "small_buckets"):    # min_sparse_numel=1: biases too
         assert r["sparse"] == r["states"]
         return
     assert [n.rsplit(".", 2)[-2:] for n in r["sparse"]] == [["aux", "weight"], ["fc1", "weight"],
@@ -51,9 +52,12 @@ def test_wire_bytes_match_statistics(run):
     results, timeline = run
     w = results["wire"]
     sparse = set(w["sparse"])
-    gathered = [(n, d, s) for n, d, s in timeline if n.startswith("allgather.dgc.wire.")]
+    gathered = [(n, d, s) for n, d, s in timeline if n.startswith("allgather.dgc.bucket.wire.")]
     reduced = [(n, d, s) for n, d, s in timeline if n.startswith("allreduce.wire.")]
-    assert len(gathered) == 5 * len(sparse)              # one allgather per tensor per step
+    # the default bucket (2**22 elements) holds the whole model: one allgather per step, named
+    # after its first member (the last registered parameter)
+    assert {n for n, _, _ in gathered} == {"allgather.dgc.bucket.wire.aux.bias"}
+    assert len(gathered) == 5
     assert len(reduced) == 5 * len(w["numel"])          # Horovod's own allreduce, every tensor
     for name, dtype, shape in reduced:
         tensor = name[len("allreduce."):]

@@ -354,13 +354,21 @@ class DGCCore:
         return wire.encode(self.B, numel, idx, vals, flags, self.config.wire_index,
                            self.config.wire_values)
 
-    def decompress(self, gathered, ctx, world_size, average=True):
+    def add_wire_bytes(self, nbytes):
+        """Count framing bytes sent outside a tensor's payload (bucket headers) in the stats."""
+        with self._lock:
+            self.step_stats.wire_bytes += nbytes
+            self.total_stats.wire_bytes += nbytes
+
+    def decompress(self, gathered, ctx, world_size, average=True, ranks=None):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.
 
         Args:
             gathered: flat int32 tensor, Horovod's allgather of every rank's payload.
             ctx (SparseContext): returned by :meth:`compress` for this tensor.
-            world_size (int): ranks in the allgather. average (bool): divide the sum by N.
+            world_size (int): N, ranks in the job. average (bool): divide the sum by N.
+            ranks (int or None): payloads in ``gathered`` (default N; fewer when a rank sent
+                nothing for this tensor in a bucket).
         Returns:
             flat float32 tensor of ctx.numel elements, identical on every rank; all NaN if any
             rank's gradient was non-finite (this rank's sent entries are then put back into v).
@@ -368,7 +376,8 @@ class DGCCore:
             WireFormatError: a malformed payload (names tensor and rank).
         """
         B = self.B
-        dense, nonfinite = wire.decode_sum(B, gathered, ctx.numel, world_size, ctx.name)
+        dense, nonfinite = wire.decode_sum(B, gathered, ctx.numel,
+                                           world_size if ranks is None else ranks, ctx.name)
         if nonfinite:
             st = self.states[ctx.name]
             if ctx.indices is not None:

@@ -79,6 +79,12 @@ class DGCConfig:
         warmup_per_step (bool): False (paper): density changes once per whole epoch. True: it
             falls smoothly with the fractional epoch given by ``set_step``.
         seed (int): seed of the random sampling used by the threshold estimate.
+        bucket_numel (int): adapters that support it (PyTorch) send the payloads of several
+            tensors in one allgather: consecutive parameters (in reverse registration order,
+            roughly the order backward produces them) are grouped until their dense size
+            reaches this many elements; a bucket's allgather starts as soon as all its
+            gradients are compressed, so it still overlaps with backward. 0: one allgather per
+            tensor. Default 2**22 (16 MiB of fp32 gradient per bucket).
         wire_index (str): index encoding of the payload (:mod:`dgc_horovod.core.wire`):
             "delta16" (default; the paper's 16-bit run lengths with an escape for long gaps,
             ~2 bytes per entry) or "int32" (4 bytes per entry).
@@ -94,12 +100,13 @@ class DGCConfig:
     __slots__ = ("compress_ratio", "momentum", "nesterov", "momentum_masking", "clip_norm",
                  "weight_decay", "sample_ratio", "exact_topk", "min_sparse_numel",
                  "warmup_epochs", "warmup_initial_density", "warmup_per_step", "seed",
-                 "wire_index", "wire_values")
+                 "wire_index", "wire_values", "bucket_numel")
 
     def __init__(self, compress_ratio=0.001, momentum=0.9, nesterov=False, momentum_masking=True,
                  clip_norm=None, weight_decay=0.0, sample_ratio=0.01, exact_topk=False,
                  min_sparse_numel=1, warmup_epochs=4, warmup_initial_density=0.25,
-                 warmup_per_step=False, seed=0, wire_index="delta16", wire_values="float32"):
+                 warmup_per_step=False, seed=0, wire_index="delta16", wire_values="float32",
+                 bucket_numel=2 ** 22):
         self.compress_ratio = _check_fraction("compress_ratio", compress_ratio)
         self.momentum = _check_nonneg("momentum", momentum, upper=1.0)
         self.nesterov = bool(nesterov)
@@ -120,6 +127,7 @@ class DGCConfig:
         self.seed = _check_int("seed", seed, 0)
         self.wire_index = _check_choice("wire_index", wire_index, ("delta16", "int32"))
         self.wire_values = _check_choice("wire_values", wire_values, ("float32", "float16"))
+        self.bucket_numel = _check_int("bucket_numel", bucket_numel, 0)
 
     def to_dict(self):
         """All settings as a plain dict (for logging and checkpoints)."""

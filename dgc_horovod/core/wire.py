@@ -27,11 +27,13 @@ the receiver's settings; a payload of another format version is rejected by its 
 """
 import math
 
-__all__ = ["MAGIC_V2", "FLAG_NONFINITE", "HEADER_WORDS", "HEADER_BYTES", "MAX_NUMEL",
+__all__ = ["MAGIC_V2", "BUCKET_MAGIC", "frame_bucket", "split_bucket", "BUCKET_HEADER_BYTES", "FLAG_NONFINITE", "HEADER_WORDS", "HEADER_BYTES", "MAX_NUMEL",
            "INDEX_ENCODINGS", "VALUE_DTYPES", "encode", "decode_sum", "payload_bytes",
            "check_numel", "WireFormatError"]
 
 MAGIC_V2 = 0x44474302
+BUCKET_MAGIC = 0x44474342          # 'D' 'G' 'C' 'B'
+BUCKET_HEADER_BYTES = 8            # [BUCKET_MAGIC, entries]; then 4 bytes per entry + payload
 FLAG_NONFINITE = 1
 HEADER_WORDS = 5
 HEADER_BYTES = 4 * HEADER_WORDS
@@ -174,3 +176,73 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>"):
                               f"trailing words after the payload of rank {world_size - 1} "
                               f"(the last of {world_size} ranks)")
     return dense, nonfinite
+
+
+# ----------------------------------------------------------------------------- buckets
+# Several tensors' payloads can travel in one allgather ("bucket"). One rank's segment is
+#     word 0  BUCKET_MAGIC     word 1  n, entries in this segment
+#     then n times: one word, the tensor's position in the bucket (its member index), followed
+#     by that tensor's payload in the format above (whose header gives its length).
+# A rank that has no payload for a member simply omits it, so ranks may send different members.
+
+def frame_bucket(B, entries, like):
+    """One rank's bucket segment from [(member index, payload)] (flat int32 tensors)."""
+    parts = [B.int32_tensor([BUCKET_MAGIC, len(entries)], like=like)]
+    for member, payload in entries:
+        parts += [B.int32_tensor([member], like=like), payload]
+    return B.cat(parts)
+
+
+def _payload_words(B, words, pos, total, name, rank):
+    if pos + HEADER_WORDS > total:
+        _fail(name, rank, "is truncated: no complete payload header")
+    _, _, c, word3, tokens = B.to_list(B.slice(words, pos, pos + HEADER_WORDS))
+    index_code, value_code = (word3 >> 8) & 0xFF, (word3 >> 16) & 0xFF
+    if c < 0 or tokens < 0 or index_code >= len(INDEX_ENCODINGS) or value_code >= len(VALUE_DTYPES):
+        _fail(name, rank, f"has a malformed payload header (count {c}, encoding {word3:#x})")
+    idx_words = c if index_code == 0 else math.ceil(tokens / 2)
+    val_words = c if value_code == 0 else math.ceil(c / 2)
+    return HEADER_WORDS + idx_words + val_words
+
+
+def split_bucket(B, gathered, world_size, members, name="<bucket>"):
+    """Split an allgathered bucket into each member's payloads, in rank order.
+
+    Args:
+        B: backend. gathered: flat int32 tensor, the allgather of every rank's frame_bucket().
+        world_size (int): ranks in the allgather. members (int): tensors in the bucket.
+        name (str): the bucket's name, for error messages.
+    Returns:
+        list (one per member) of lists of payload tensors, in rank order (a rank that sent
+        nothing for a member contributes nothing). Each payload is then checked by decode_sum.
+    Raises:
+        WireFormatError: a malformed segment (names the bucket and the rank).
+    """
+    total = B.numel(gathered)
+    out = [[] for _ in range(members)]
+    pos = 0
+    for rank in range(world_size):
+        if pos + 2 > total:
+            _fail(name, rank, "is truncated: no bucket header")
+        magic, n = B.to_list(B.slice(gathered, pos, pos + 2))
+        if magic != BUCKET_MAGIC:
+            _fail(name, rank, f"has bucket header {magic & 0xFFFFFFFF:#010x}, expected "
+                              f"{BUCKET_MAGIC:#010x}; are all ranks running the same version?")
+        if not 0 <= n <= members:
+            _fail(name, rank, f"claims {n} entries for a bucket of {members} tensors")
+        pos += 2
+        for _ in range(n):
+            if pos + 1 > total:
+                _fail(name, rank, "is truncated: missing an entry")
+            member = B.to_list(B.slice(gathered, pos, pos + 1))[0]
+            if not 0 <= member < members:
+                _fail(name, rank, f"names member {member} of a bucket of {members} tensors")
+            length = _payload_words(B, gathered, pos + 1, total, name, rank)
+            if pos + 1 + length > total:
+                _fail(name, rank, "is truncated inside an entry")
+            out[member].append(B.slice(gathered, pos + 1, pos + 1 + length))
+            pos += 1 + length
+    if pos != total:
+        raise WireFormatError(f"DGC bucket {name!r} has {total - pos} unexpected trailing words "
+                              f"after the segment of rank {world_size - 1}")
+    return out

@@ -27,10 +27,12 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   ``backward_passes_per_step > 1`` (compress runs once, on the accumulated gradient), and for
   parameters without a gradient in a step (Horovod hands DGC zeros; DGC then only decays the
   velocity). Called from anywhere else, DGC raises a RuntimeError saying how to use it.
-* **Exchange.** For a sparsified tensor, ``compress`` accumulates, selects, encodes, starts
-  ``hvd.allgather_async`` of the payload (named ``dgc.<parameter name>``, overlapping with the
-  rest of backward), and returns a 1-element zero placeholder: Horovod's own allreduce then
-  carries 4 bytes for this tensor. ``decompress`` waits for the allgather, sums every rank's
+* **Exchange.** For a sparsified tensor, ``compress`` accumulates, selects, encodes, hands the
+  payload to :mod:`dgc_horovod.torch.exchange` (one ``hvd.allgather_async`` per bucket of
+  parameters, started as soon as the bucket is complete, so it overlaps with the rest of
+  backward; or one per tensor, named ``dgc.<parameter name>``, with ``bucket_numel=0``), and
+  returns a 1-element zero placeholder: Horovod's own allreduce then carries 4 bytes for it.
+  ``decompress`` waits for the allgather, sums every rank's
   entries in rank order (bit-identical on every rank) and divides by the world size for
   ``op=hvd.Average``. Tensors below ``min_sparse_numel`` go through Horovod's dense allreduce as
   their momentum-corrected velocity.
@@ -51,6 +53,7 @@ from horovod.torch.compression import Compressor
 
 from dgc_horovod.core import DGCConfig, DGCCore
 from dgc_horovod.torch.backend import TorchBackend
+from dgc_horovod.torch.exchange import Exchange
 
 __all__ = ["DGC"]
 
@@ -147,6 +150,7 @@ class DGC(Compressor):
             raise TypeError("pass either config=DGCConfig(...) or keyword arguments, not both")
         self.config = config if config is not None else DGCConfig(**kwargs)
         self._core = DGCCore(self.config, TorchBackend())
+        self._exchange = Exchange(self._core, self.config.bucket_numel)
         self._checked = set()
         if hvd.is_initialized() and hvd.size() == 1:
             warnings.warn("one Horovod process: hvd.DistributedOptimizer registers no gradient "
@@ -230,8 +234,8 @@ class DGC(Compressor):
         kind, out, core_ctx = self._core.compress(name, tensor, world, param=p.detach())
         if kind == "dense":
             return out.view(tensor.shape).to(tensor.dtype), (tensor.shape, tensor.dtype)
-        handle = hvd.allgather_async(out, name="dgc." + name, process_set=process_set)
-        ctx = _Pending(handle, core_ctx, tensor.shape, tensor.dtype, world, opt.op == hvd.Average)
+        ticket = self._exchange.send(opt, name, out, process_set)
+        ctx = _Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, opt.op == hvd.Average)
         return tensor.new_zeros(1), ctx
 
     def decompress(self, tensor, ctx):
@@ -241,8 +245,8 @@ class DGC(Compressor):
         if not isinstance(ctx, _Pending):     # small tensor: Horovod's allreduce already reduced
             shape, dtype = ctx
             return tensor.view(shape).to(dtype)
-        gathered = hvd.synchronize(ctx.handle)
-        dense = self._core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average)
+        gathered, ranks = self._exchange.receive(ctx.handle, ctx.world_size)
+        dense = self._core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks)
         return dense.view(ctx.shape).to(ctx.dtype)
 
     def _check(self, opt, p, name):

@@ -81,11 +81,14 @@ def scenario_identical(results, prefix_base):
         "backward_passes_2": dict(bpps=2),
         "groups_2": dict(),
         "all_sparse": dict(),
+        "per_tensor_allgather": dict(),
+        "small_buckets": dict(),
     }
     out = {}
     for name, kw in variants.items():
         dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0,
-                  min_sparse_numel=1 if name == "all_sparse" else 1024)
+                  min_sparse_numel=1 if name in ("all_sparse", "small_buckets") else 1024,
+                  bucket_numel={"per_tensor_allgather": 0, "small_buckets": 1500}.get(name, 2**22))
         opt_kw = {}
         if name == "backward_passes_2":
             opt_kw["backward_passes_per_step"] = 2
