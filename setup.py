@@ -1,10 +1,26 @@
-"""Packaging for dgc_horovod: Deep Gradient Compression as a Horovod compression plugin."""
+"""Packaging for dgc_horovod: Deep Gradient Compression as a Horovod compression plugin.
+
+`pip install .` (or a wheel from `python -m build`) installs the package with NumPy as its only
+requirement: `dgc_horovod` and `dgc_horovod.core` import neither torch, tensorflow nor horovod.
+The adapters need a framework and Horovod, declared as extras:
+
+    pip install 'dgc_horovod[torch]'            # torch + horovod
+    pip install 'dgc_horovod[tensorflow]'       # tensorflow + tf-keras + horovod
+    pip install 'dgc_horovod[tensorflow-cpu]'   # tensorflow-cpu + horovod (tf-keras: --no-deps)
+
+Horovod 0.28.1 is published as an sdist only and needs the project's patch to build against
+torch >= 2.1 / TensorFlow >= 2.16, so the supported way to get a working Horovod is
+scripts/install.sh (`make install`); with Horovod already installed the extras are satisfied.
+sdists carry README.md (the long description) through MANIFEST.in.
+"""
 import os
 import re
 
+import setuptools
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+HOROVOD = "horovod==0.28.1"  # the adapters find parameters through this version's call stack
 
 
 def _version():
@@ -12,27 +28,37 @@ def _version():
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
+def _license():
+    """PEP 639 License-Expression where setuptools supports it (>= 77), else License."""
+    major = int(re.match(r"\d+", setuptools.__version__).group(0))
+    if major >= 77:
+        return {"license_expression": "Apache-2.0"}
+    return {"license": "Apache-2.0",
+            "classifiers": ["License :: OSI Approved :: Apache Software License"]}
+
+
 with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
     LONG_DESCRIPTION = f.read()
 
+LICENSE = _license()
 setup(
     name="dgc_horovod",
     version=_version(),
     description="Deep Gradient Compression (Lin et al., ICLR 2018) as a Horovod compression plugin",
     long_description=LONG_DESCRIPTION,
     long_description_content_type="text/markdown",
-    license="Apache-2.0",
     packages=find_packages(include=["dgc_horovod", "dgc_horovod.*"]),
     python_requires=">=3.9",
     install_requires=["numpy"],
     extras_require={
-        "torch": ["torch>=2.1", "horovod==0.28.1"],
-        "tensorflow": ["tensorflow-cpu>=2.16", "horovod==0.28.1"],
-        "test": ["pytest", "mpi4py", "tqdm", "mlxtend"],
+        "torch": ["torch>=2.1", HOROVOD],
+        "tensorflow": ["tensorflow>=2.16", "tf-keras>=2.16", HOROVOD],
+        "tensorflow-cpu": ["tensorflow-cpu>=2.16", HOROVOD],
+        "test": ["pytest", "mpi4py", "tqdm", "mlxtend", "dockerfile"],
     },
-    classifiers=[
-        "License :: OSI Approved :: Apache Software License",
+    classifiers=LICENSE.pop("classifiers", []) + [
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
+    **LICENSE,
 )

@@ -13,6 +13,16 @@
 #   5. dgc_horovod itself, editable.
 #
 # Environment: DGC_VENV, DGC_CACHE_DIR, MAKEFLAGS (default -j$(nproc)) for the Horovod build.
+# GPU builds (docker/Dockerfile.gpu) also set these; unset or empty, each keeps the CPU default:
+#   DGC_PYTHON       the interpreter that creates the virtual environment (default python3);
+#   DGC_TORCH_SPEC   pip arguments that install torch instead of requirements.txt's torch line,
+#                    e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128";
+#   DGC_TF_SPEC      pip arguments that install TensorFlow instead of requirements.txt's
+#                    tensorflow-cpu line, e.g. "tensorflow==2.21.0";
+#   DGC_HOROVOD_GPU  NCCL (or MPI): build Horovod with HOROVOD_GPU_OPERATIONS=$DGC_HOROVOD_GPU, NCCL
+#                    linked as a shared library unless HOROVOD_NCCL_LINK says otherwise. Needs the
+#                    CUDA toolkit (nvcc) and NCCL; Horovod's own HOROVOD_CUDA_HOME, HOROVOD_NCCL_HOME
+#                    and HOROVOD_BUILD_CUDA_CC_LIST pass through. The wheel cache key records it.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +32,10 @@ HOROVOD_VERSION=0.28.1
 TF_KERAS_VERSION=2.21.0
 PATCH_FILE="$ROOT/patches/horovod-${HOROVOD_VERSION}-torch2-tf2.patch"
 PY="$VENV/bin/python"
+TORCH_SPEC="${DGC_TORCH_SPEC:-}"
+TF_SPEC="${DGC_TF_SPEC:-}"
+HOROVOD_GPU="${DGC_HOROVOD_GPU:-}"
+case "$HOROVOD_GPU" in ""|NCCL|MPI) ;; *) echo "DGC_HOROVOD_GPU must be empty, NCCL or MPI, not '$HOROVOD_GPU'" >&2; exit 2;; esac
 
 log() { printf '[install] %s\n' "$*" >&2; }
 sha() { sha256sum "$@" | cut -c1-16; }
@@ -43,34 +57,60 @@ fi
 # 2. Virtual environment ---------------------------------------------------------------------
 if [ ! -x "$PY" ]; then
     log "creating virtual environment $VENV"
-    python3 -m venv "$VENV"
+    "${DGC_PYTHON:-python3}" -m venv "$VENV"
 fi
 
 # 3. Python requirements ---------------------------------------------------------------------
 req_key="$(sha "$ROOT/requirements.txt")-tfkeras$TF_KERAS_VERSION"
+[ -z "$TORCH_SPEC$TF_SPEC" ] || req_key="$req_key-spec$(printf '%s\n%s' "$TORCH_SPEC" "$TF_SPEC" | sha)"
 if [ "$(cat "$VENV/.dgc-requirements" 2>/dev/null)" != "$req_key" ]; then
     log "installing requirements.txt"
     "$PY" -m pip install -q --upgrade pip
-    "$PY" -m pip install -q -r "$ROOT/requirements.txt"
+    if [ -z "$TORCH_SPEC$TF_SPEC" ]; then
+        "$PY" -m pip install -q -r "$ROOT/requirements.txt"
+    else
+        # each spec (a pip argument list) replaces its line of requirements.txt
+        drop=(-e '^#')
+        for line in "torch $TORCH_SPEC" "tensorflow-cpu $TF_SPEC"; do
+            read -r name spec <<< "$line"
+            [ -n "$spec" ] || continue
+            read -r -a args <<< "$spec"
+            drop+=(-e "^$name[=<>~! ]")
+            log "installing ${args[*]}"
+            "$PY" -m pip install -q "${args[@]}"
+        done
+        grep -v "${drop[@]}" "$ROOT/requirements.txt" > "$VENV/.dgc-requirements.txt"
+        "$PY" -m pip install -q -r "$VENV/.dgc-requirements.txt"
+    fi
     "$PY" -m pip install -q --no-deps "tf-keras==$TF_KERAS_VERSION"
     echo "$req_key" > "$VENV/.dgc-requirements"
 fi
 
 # 4. Horovod ---------------------------------------------------------------------------------
-versions="$("$PY" -c 'from importlib.metadata import version as v; import sys; print("torch%s-tf%s-cp%d%d" % (v("torch"), v("tensorflow-cpu"), *sys.version_info[:2]))')"
-hvd_key="horovod-${HOROVOD_VERSION}-p$(sha "$PATCH_FILE")-${versions}"
+versions="$("$PY" -c 'import sys; from importlib.metadata import version as v, PackageNotFoundError
+def tf():  # tensorflow-cpu (default), or tensorflow (DGC_TF_SPEC)
+    for dist in ("tensorflow-cpu", "tensorflow"):
+        try:
+            return v(dist)
+        except PackageNotFoundError:
+            pass
+    sys.exit("neither tensorflow-cpu nor tensorflow is installed")
+print("torch%s-tf%s-cp%d%d" % (v("torch"), tf(), *sys.version_info[:2]))')"
+hvd_key="horovod-${HOROVOD_VERSION}-p$(sha "$PATCH_FILE")-${versions}${HOROVOD_GPU:+-gpu$HOROVOD_GPU}"
 if [ "$(cat "$VENV/.dgc-horovod" 2>/dev/null)" != "$hvd_key" ]; then
     wheel_dir="$CACHE/wheels/$hvd_key"
     if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-        log "building Horovod $HOROVOD_VERSION (PyTorch + TensorFlow + Gloo + MPI); takes minutes, once per machine"
+        log "building Horovod $HOROVOD_VERSION (PyTorch + TensorFlow + Gloo + MPI${HOROVOD_GPU:+ + GPU operations: $HOROVOD_GPU}); takes minutes, once per machine"
         build="$(mktemp -d)"
         trap 'rm -rf "$build"' EXIT
         "$PY" -m pip download -q --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$build"
         tar xzf "$build/horovod-$HOROVOD_VERSION.tar.gz" -C "$build"
         (cd "$build/horovod-$HOROVOD_VERSION" && patch -p1 --forward --quiet < "$PATCH_FILE")
         mkdir -p "$wheel_dir.tmp"
+        gpu_env=()
+        [ -z "$HOROVOD_GPU" ] || gpu_env=(HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU" HOROVOD_NCCL_LINK="${HOROVOD_NCCL_LINK:-SHARED}")
         (cd "$build/horovod-$HOROVOD_VERSION" && \
-         PATH="$VENV/bin:$PATH" MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}" \
+         PATH="$VENV/bin:$PATH" MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}" env ${gpu_env[@]+"${gpu_env[@]}"} \
          HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
          HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo \
          "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$wheel_dir.tmp" > "$build/build.log" 2>&1) || {

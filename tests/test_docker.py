@@ -1,0 +1,215 @@
+"""The Docker images, checked without a Docker engine: both Dockerfiles are parsed with Docker's
+own parser (the `dockerfile` package, which wraps BuildKit's), and checked for pinned base images,
+their stages, and the one install path: the images run scripts/install.sh, the script that
+`make install` runs, and install Python packages nowhere else. The GPU settings the GPU image
+gives install.sh are run through install.sh with a stand-in Python (no download, no build)."""
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+from importlib.metadata import distributions, version
+
+import pytest
+
+from conftest import ROOT
+
+dockerfile = pytest.importorskip("dockerfile")
+
+IMAGES = {  # Dockerfile -> its stages, in order (the last one is the image)
+    "docker/Dockerfile": ["runtime"],
+    "docker/Dockerfile.gpu": ["build", "runtime"],
+}
+# Python packages (Horovod above all) come from scripts/install.sh only
+PY_INSTALLS = re.compile(r"\bpip[0-9.]*\s+(install|wheel|download)\b|\beasy_install\b|"
+                         r"\bsetup\.py\s+(install|build|bdist_wheel|develop)\b|\bconda\s+install\b")
+
+
+def _resolve(text, variables):
+    """${NAME} and $NAME from ARG/ENV values; unknown names stay as they are."""
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)",
+                  lambda m: variables.get(m.group(1) or m.group(2), m.group(0)), text)
+
+
+def _stages(path):
+    """[{name, image, args, env, cmds}] with ARG defaults (global ones too) substituted."""
+    global_args, stages = {}, []
+    for cmd in dockerfile.parse_file(os.path.join(ROOT, path)):
+        if cmd.cmd == "FROM":
+            value = list(cmd.value)
+            name = value[2] if len(value) == 3 and value[1].upper() == "AS" else None
+            stages.append({"name": name, "image": _resolve(value[0], global_args), "args": {},
+                           "env": {}, "cmds": []})
+            continue
+        if cmd.cmd == "ARG":
+            key, has_default, default = cmd.value[0].partition("=")
+            if not stages:
+                global_args[key] = default
+            else:
+                stages[-1]["args"][key] = default if has_default else global_args.get(key, "")
+            continue
+        assert stages, f"{path}:{cmd.start_line}: {cmd.cmd} before the first FROM"
+        stage = stages[-1]
+        if cmd.cmd == "ENV":
+            for key, value in zip(cmd.value[::2], cmd.value[1::2]):
+                stage["env"][key] = _resolve(" ".join(shlex.split(value)),
+                                             {**stage["args"], **stage["env"]})
+        stage["cmds"].append(cmd)
+    return stages
+
+
+def _runs(stage):
+    return [" ".join(c.value) for c in stage["cmds"] if c.cmd == "RUN"]
+
+
+def _make_install_script():
+    """The script the Makefile's `install:` recipe runs."""
+    text = open(os.path.join(ROOT, "Makefile")).read()
+    recipe = re.search(r"^install:[^\n]*\n((?:\t[^\n]*\n)+)", text, re.M)
+    assert recipe, "no install: target with a recipe in the Makefile"
+    scripts = re.findall(r"(\S+\.sh)\b", recipe.group(1))
+    assert len(scripts) == 1, recipe.group(1)
+    return scripts[0]
+
+
+def _requirement_pin(name):
+    text = open(os.path.join(ROOT, "requirements.txt")).read()
+    return re.search(rf"^{re.escape(name)}==(\S+)", text, re.M).group(1)
+
+
+@pytest.mark.parametrize("path", sorted(IMAGES))
+def test_parses_into_the_expected_stages(path):
+    stages = _stages(path)
+    assert [s["name"] for s in stages] == IMAGES[path]
+    assert any(c.cmd == "CMD" for c in stages[-1]["cmds"])
+
+
+@pytest.mark.parametrize("path", sorted(IMAGES))
+def test_every_base_image_is_pinned(path):
+    names = set()
+    for stage in _stages(path):
+        image = stage["image"]
+        if image in names:  # FROM an earlier stage
+            continue
+        names.add(stage["name"])
+        assert "$" not in image, f"{path}: unresolved variable in FROM {image}"
+        ref = image.split("@", 1)
+        if len(ref) == 2:  # name@sha256:... is pinned
+            assert ref[1].startswith("sha256:"), image
+            continue
+        repo, _, tag = ref[0].rpartition(":")
+        assert repo and "/" not in tag, f"{path}: FROM {image} has no tag"
+        assert tag != "latest" and re.search(r"\d+\.\d+", tag), f"{path}: FROM {image} not pinned"
+
+
+@pytest.mark.parametrize("path", sorted(IMAGES))
+def test_image_copies_the_repo_and_runs_the_make_install_script(path):
+    script = _make_install_script()
+    assert script == "scripts/install.sh"
+    runs_script = re.compile(rf"\b(bash|sh)\s+(\./)?{re.escape(script)}\b")
+    stages = _stages(path)
+    built = set()  # stages that copied the repository and then ran the script
+    for stage in stages:
+        copied = False
+        for cmd in stage["cmds"]:
+            from_stage = [f.split("=", 1)[1] for f in cmd.flags if f.startswith("--from=")]
+            if cmd.cmd in ("COPY", "ADD") and (cmd.value[0] == "." and not from_stage
+                                               or from_stage and from_stage[0] in built):
+                copied = True
+            if cmd.cmd == "RUN" and runs_script.search(" ".join(cmd.value)):
+                assert copied, f"{path}:{cmd.start_line}: runs {script} before copying the repo"
+                built.add(stage["name"])
+    assert stages[-1]["name"] in built, f"{path}: the image never runs {script}"
+    # the build context must not carry a host .venv whose stamps would skip the install
+    ignored = open(os.path.join(ROOT, ".dockerignore")).read().split()
+    assert ".venv" in ignored and ".git" in ignored
+
+
+@pytest.mark.parametrize("path", sorted(IMAGES))
+def test_no_python_install_outside_the_install_script(path):
+    for stage in _stages(path):
+        for run in _runs(stage):
+            assert not PY_INSTALLS.search(run), f"{path}: Python install outside install.sh: {run}"
+
+
+def test_gpu_image_settings():
+    build, runtime = _stages("docker/Dockerfile.gpu")
+    cuda = re.fullmatch(r"nvidia/cuda:(\d+\.\d+\.\d+)-cudnn-devel-ubuntu22\.04", build["image"])
+    assert cuda, build["image"]
+    assert runtime["image"] == f"nvidia/cuda:{cuda.group(1)}-cudnn-runtime-ubuntu22.04"
+    knobs = {k: v for k, v in build["env"].items() if k.startswith("DGC_")}
+    assert knobs == {k: v for k, v in runtime["env"].items() if k.startswith("DGC_")}
+    assert knobs["DGC_HOROVOD_GPU"] == "NCCL"
+    # the CUDA builds of the versions requirements.txt pins for the CPU environment
+    assert knobs["DGC_TORCH_SPEC"].split()[0] == f"torch=={_requirement_pin('torch')}"
+    cu = re.search(r"/whl/cu(\d+)", knobs["DGC_TORCH_SPEC"]).group(1)
+    assert cu[:2] == cuda.group(1).split(".")[0], "torch's CUDA major must match the base image"
+    assert knobs["DGC_TF_SPEC"] == f"tensorflow=={_requirement_pin('tensorflow-cpu')}"
+    assert "libnccl-dev" in " ".join(_runs(build))
+
+
+def test_make_docker_target():
+    out = subprocess.run(["make", "-n", "docker", "DOCKER=docker"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    for path in IMAGES:
+        assert re.search(rf"docker build -f {re.escape(path)} -t \S+ \.(\s|$)", out), out
+    # without an engine (`docker info` fails) it says so and fails, before building anything
+    proc = subprocess.run(["make", "docker", "DOCKER=false"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "no Docker engine" in proc.stderr and "build -f" not in proc.stdout
+
+
+STUB_PYTHON = """#!/bin/bash
+[ "$1" = "-c" ] && exec "{python}" "$@"
+echo "$*" >> "{log}"
+"""
+
+
+def test_install_script_takes_the_gpu_image_settings(tmp_path):
+    """install.sh with Dockerfile.gpu's DGC_* settings, on a venv whose python is a stand-in that
+    logs pip calls (and runs `python -c` with this interpreter): the specs replace the torch and
+    tensorflow-cpu lines of requirements.txt, the Horovod wheel is looked up under a -gpuNCCL key,
+    and a second run does nothing."""
+    knobs = {k: v for k, v in _stages("docker/Dockerfile.gpu")[0]["env"].items()
+             if k.startswith("DGC_") and k not in ("DGC_VENV", "DGC_PYTHON")}
+    venv, cache, log = tmp_path / "venv", tmp_path / "cache", tmp_path / "pip.log"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(STUB_PYTHON.format(log=log, python=sys.executable))
+    (venv / "bin" / "python").chmod(0o755)
+    site = venv / "lib" / "python3.11" / "site-packages" / "horovod"
+    for lib in ("torch/mpi_lib_v2.so", "tensorflow/mpi_lib.so"):
+        (site / lib).parent.mkdir(parents=True, exist_ok=True)
+        (site / lib).touch()
+    # the wheel cache entry install.sh should look for (stand-in python = this interpreter)
+    patch = glob.glob(os.path.join(ROOT, "patches", "horovod-0.28.1-*.patch"))[0]
+    patch_sha = subprocess.run(["sha256sum", patch], capture_output=True, text=True,
+                               check=True).stdout[:16]
+    tf = [d.version for d in distributions()
+          if d.metadata["Name"].lower().replace("_", "-") in ("tensorflow-cpu", "tensorflow")]
+    key = "horovod-0.28.1-p%s-torch%s-tf%s-cp%d%d-gpuNCCL" % (
+        patch_sha, version("torch"), sorted(tf)[0], *sys.version_info[:2])
+    (cache / "wheels" / key).mkdir(parents=True)
+    (cache / "wheels" / key / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl").touch()
+
+    env = dict(os.environ, DGC_VENV=str(venv), DGC_CACHE_DIR=str(cache), **knobs)
+    script = os.path.join(ROOT, "scripts", "install.sh")
+    first = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    calls = log.read_text().splitlines()
+    assert f"-m pip install -q {knobs['DGC_TORCH_SPEC']}" in calls
+    assert f"-m pip install -q {knobs['DGC_TF_SPEC']}" in calls
+    reqs = (venv / ".dgc-requirements.txt").read_text().split()
+    assert "numpy" in reqs and not [r for r in reqs if r.startswith(("torch", "tensorflow"))]
+    assert any(c.endswith(f"{key}/horovod-0.28.1-cp311-cp311-linux_x86_64.whl") for c in calls)
+    assert (venv / ".dgc-horovod").read_text().strip() == key
+
+    log.write_text("")
+    second = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0 and second.stdout + second.stderr == "", second.stderr
+    assert log.read_text() == ""
+
+    bad = subprocess.run(["bash", script], env=dict(env, DGC_HOROVOD_GPU="CUDA"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "DGC_HOROVOD_GPU" in bad.stderr
