@@ -85,3 +85,8 @@ def test_momentum_in_both_places_is_an_error(run):
     msg = run[0]["momentum_twice"]
     assert msg is not None and "momentum would be applied twice" in msg
     assert "momentum=0" in msg
+
+
+def test_models_differing_across_ranks_is_a_clear_error(run):
+    msg = run[0]["model_mismatch"]
+    assert msg is not None and "models differ" in msg and "'mm.aux.weight'" in msg, msg

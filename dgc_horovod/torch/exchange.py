@@ -6,11 +6,15 @@ about ``bucket_numel`` dense elements. The plan depends only on the model, so it
 every rank. A bucket's allgather (named ``dgc.bucket.<first member's name>``) starts as soon as
 all its members are compressed, overlapping with the rest of backward; a bucket still incomplete
 when Horovod synchronizes (a parameter without a compressed gradient this step) starts then.
-The framing is :func:`dgc_horovod.core.wire.frame_bucket`.
+The framing is :func:`dgc_horovod.core.wire.frame_bucket`. When the plan is made (the first
+step), the ranks compare their trainable parameters once and raise a ValueError naming the first
+difference, instead of hanging on collectives that never match.
 """
+import json
 import threading
 
 import horovod.torch as hvd
+import torch
 
 from dgc_horovod.core import wire
 
@@ -33,6 +37,31 @@ class _Bucket:
         self.name, self.members, self.current = name, members, _Launch()
 
 
+def _check_same_model(opt, params):
+    """Every rank must reduce the same parameters (names, sizes, dtypes, order): compare once,
+    with one allgather, and raise a ValueError naming the first difference on every rank, rather
+    than hang on collectives that never match or sum two different tensors."""
+    mine = [[opt._parameter_names[p], p.numel(), str(p.dtype)] for p in params]
+    blob = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+    sizes = hvd.allgather(torch.tensor([blob.numel()]), name="dgc.check_model.sizes",
+                          process_set=opt.process_set).tolist()
+    data = hvd.allgather(blob, name="dgc.check_model", process_set=opt.process_set)
+    every = [json.loads(bytes(chunk.tolist()).decode()) for chunk in data.split(sizes)]
+    for rank, theirs in enumerate(every):
+        if theirs == mine:
+            continue
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                raise ValueError(
+                    f"DGC: the ranks' models differ: trainable parameter #{i} (from the last) "
+                    f"is {a[0]!r} ({a[1]} elements, {a[2]}) on rank {opt.process_set.rank()} "
+                    f"but {b[0]!r} ({b[1]} elements, {b[2]}) on rank {rank}")
+        raise ValueError(
+            f"DGC: the ranks' models differ: rank {opt.process_set.rank()} has {len(mine)} "
+            f"trainable parameters, rank {rank} has {len(theirs)} (a parameter frozen or "
+            "missing on one rank?)")
+
+
 class Exchange:
     """Sends each rank's payloads by Horovod allgather and hands back what every rank sent.
 
@@ -51,6 +80,7 @@ class Exchange:
         if entry is None or entry[0] is not opt:
             params = [p for group in opt.param_groups for p in group["params"]
                       if p.requires_grad][::-1]
+            _check_same_model(opt, params)
             plan, members, size = {}, [], 0
             for i, p in enumerate(params):
                 members.append(opt._parameter_names[p])

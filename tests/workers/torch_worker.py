@@ -177,6 +177,24 @@ def scenario_momentum_twice(results, prefix):
         results["momentum_twice"] = str(e)
 
 
+def scenario_model_mismatch(results, prefix):
+    """aux.weight is frozen on rank 1 only: a clear error on every rank at the first step,
+    not a hang and not a sum of two different tensors."""
+    torch.manual_seed(0)
+    model = Net()
+    if hvd.rank() == 1:
+        model.aux.weight.requires_grad_(False)
+    named = [(f"{prefix}.{n}", p) for n, p in model.named_parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   named_parameters=named, compression=DGC())
+    x, y = batches(1, 7)[0]
+    try:
+        F.cross_entropy(model(x), y).backward()
+        results["model_mismatch"] = None
+    except ValueError as e:
+        results["model_mismatch"] = str(e)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -189,6 +207,7 @@ def main():
     scenario_wire(results, "wire")
     scenario_nonfinite(results, "nf")
     scenario_momentum_twice(results, "mt")
+    scenario_model_mismatch(results, "mm")
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
