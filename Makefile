@@ -24,9 +24,24 @@ demo: install
 demo-none: install
 	$(HOROVODRUN) --gloo python examples/pytorch_mnist.py --compression none $(ARGS)
 
+## demo-tf: the TensorFlow 2 examples with DGC on 2 ranks (GradientTape loop, then Keras model.fit)
+.PHONY: demo-tf
+demo-tf: install
+	TF_USE_LEGACY_KERAS=1 $(HOROVODRUN) --gloo python examples/tensorflow2_mnist.py --compression dgc $(ARGS)
+	TF_USE_LEGACY_KERAS=1 $(HOROVODRUN) --gloo python examples/tensorflow2_keras_mnist.py --compression dgc $(ARGS)
+
 check-build: install
 	horovodrun --check-build
 
 ## clean-venv: remove .venv (the built Horovod wheel stays cached in ~/.cache/dgc_horovod)
 clean-venv:
 	rm -rf $(VENV)
+
+## docker: build the CPU and the GPU image (docker/Dockerfile, docker/Dockerfile.gpu); needs a
+## Docker engine with BuildKit. Both run scripts/install.sh, like `make install`.
+DOCKER ?= docker
+.PHONY: docker
+docker:
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "make docker: no Docker engine answers ('$(DOCKER) info' failed); start one, or build on a machine that has one" >&2; exit 1; }
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t dgc_horovod:cpu .
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile.gpu -t dgc_horovod:gpu .
