@@ -217,7 +217,11 @@ class DGCCore:
         states = {} if reset_residuals else self._states_from(state_dict["tensors"])
         total, step = (_stats_from(state_dict[k], k) for k in ("total_stats", "step_stats"))
         with self._lock:
-            self.B.set_generator_state(self._generator, state_dict["generator"])
+            try:
+                self.B.set_generator_state(self._generator, state_dict["generator"])
+            except (TypeError, ValueError, KeyError, RuntimeError) as e:
+                raise ValueError(f"DGC state_dict 'generator' cannot be restored on the "
+                                 f"{self.B.name} backend: {e}") from e
             self.states = states
             self.epoch = float(state_dict["epoch"])
             self.total_stats, self.step_stats = total, step

@@ -62,7 +62,8 @@ def check_numel(numel, name):
     """Raise ValueError if a tensor of ``numel`` elements cannot be indexed by the wire format."""
     if numel > MAX_NUMEL:
         raise ValueError(f"tensor {name!r} has {numel} elements; the DGC wire format indexes "
-                         f"at most {MAX_NUMEL} (int32). Split the parameter or keep it dense.")
+                         f"at most {MAX_NUMEL} (int32), and DGC refuses such a tensor whether it "
+                         "would be sent sparse or dense. Split the parameter into smaller ones.")
 
 
 def _delta16_tokens(B, idx):

@@ -1,0 +1,383 @@
+"""Checkpoint and resume of DGC state, and tensors beyond the wire format's index range.
+
+* Under `horovodrun -np 2` (Gloo and MPI; tests/workers/checkpoint_worker.py): train 6 steps,
+  save model + optimizer + DGC state per rank, exit; a new job loads and trains 6 more steps; its
+  parameters must equal those of an uninterrupted 12-step run bit for bit. The documented errors
+  (other config, world size, rank) and reset_residuals=True are checked there too.
+* In one process, on the NumPy, PyTorch and TensorFlow backends: DGCCore.state_dict /
+  load_state_dict resume bit-identically with several simulated ranks, survive
+  torch.save/torch.load(weights_only=True), are snapshots, and refuse bad input without changing
+  anything.
+* A tensor of more than 2**31 - 1 elements is rejected before any state is allocated.
+"""
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+from conftest import BIN, ROOT, horovodrun
+from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, wire
+from dgc_horovod.core.compressor import STATE_DICT_VERSION
+from dgc_horovod.tensorflow.backend import TFBackend
+from dgc_horovod.torch.backend import TorchBackend
+
+WORKER = "tests/workers/checkpoint_worker.py"
+BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend(), "tensorflow": TFBackend()}
+BACKEND_NAMES = sorted(BACKENDS)
+
+
+# ============================================================ horovodrun: save, exit, resume
+# Gloo with the default bucketed exchange, MPI with one allgather per tensor
+LAUNCHES = {"gloo": ["--bucket-numel", str(2 ** 22)], "mpi": ["--bucket-numel", "0"]}
+
+
+@pytest.fixture(scope="module", params=sorted(LAUNCHES))
+def resumed(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"ckpt_{request.param}")
+    extra = LAUNCHES[request.param]
+    horovodrun([WORKER, "--mode", "first", "--dir", str(d)] + extra, launcher=request.param)
+    files = sorted(os.listdir(d))
+    out = d / "resume.json"
+    horovodrun([WORKER, "--mode", "resume", "--dir", str(d), "--out", str(out)] + extra,
+               launcher=request.param)
+    return d, files, json.loads(out.read_text()), extra
+
+
+def test_one_checkpoint_file_per_rank(resumed):
+    _, files, r, _ = resumed
+    assert files == ["ckpt.rank0.pt", "ckpt.rank1.pt", "reference.rank0.pt", "reference.rank1.pt"]
+    for rank, rr in enumerate(r["ranks"]):
+        assert (rr["saved_world_size"], rr["saved_rank"]) == (2, rank)
+        assert rr["saved_steps"] == 6 and rr["saved_epoch"] == 1.0
+        assert rr["saved_tensors"] == rr["saved_sparse"] == ["fc1.bias", "fc1.weight",
+                                                              "fc2.bias", "fc2.weight"]
+
+
+def test_resumed_run_is_bit_identical_to_uninterrupted_run(resumed):
+    _, _, r, _ = resumed
+    assert r["size"] == 2
+    for rr in r["ranks"]:
+        assert rr["params_equal"] == {"fc1.weight": True, "fc1.bias": True, "fc2.weight": True,
+                                      "fc2.bias": True}
+        assert rr["dgc_state_equal"], "u, v or the sampling generator differ after resuming"
+        assert rr["loaded_epoch"] == 1.0 and rr["loaded_density"] == pytest.approx(0.05)
+        assert rr["steps_counted"] == 12 and rr["selected_equal"]
+
+
+def test_resume_without_residuals_is_not_identical(resumed):
+    """The negative control: the comparison above is sensitive to the restored residuals."""
+    for rr in resumed[2]["ranks"]:
+        assert rr["reset_states_after_load"] == 0 and rr["reset_epoch"] == 1.0
+        assert not rr["reset_params_equal"]
+
+
+def test_load_errors_under_horovod(resumed):
+    for rank, rr in enumerate(resumed[2]["ranks"]):
+        msg = rr["config_error"]
+        assert msg and "different config" in msg and "compress_ratio" in msg and "seed" in msg
+        assert "momentum" not in msg.split("differ")[0]
+        msg = rr["world_size_error"]
+        assert msg and "4 ranks" in msg and "has 2" in msg and "per rank" in msg
+        assert "reset_residuals=True" in msg
+        msg = rr["rank_error"]
+        assert msg and f"saved by rank {1 - rank}" in msg and f"loaded on rank {rank}" in msg
+
+
+def test_other_world_size_refused_then_reset_residuals(resumed):
+    """One process (world size 1) loads rank 0's file of the 2-rank job."""
+    d, _, _, extra = resumed
+    out = d / "single.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT,
+               PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    for k in [k for k in env if k.startswith(("HOROVOD_", "OMPI_", "PMI"))]:
+        del env[k]
+    proc = subprocess.run([sys.executable, WORKER, "--mode", "single", "--dir", str(d),
+                           "--out", str(out)] + extra, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())["ranks"][0]
+    assert r["size"] == 1
+    assert "2 ranks" in r["error"] and "has 1" in r["error"] and "per rank" in r["error"]
+    assert r["states_after_refusal"] == 0 and r["epoch_after_refusal"] == 0.0   # nothing changed
+    assert r["states_after_reset"] == 0 and r["epoch_after_reset"] == 1.0
+    assert r["steps_after_reset"] == 6
+
+
+# ============================================================ DGCCore in one process
+def to_backend(B, a):
+    a = np.array(a, copy=True)
+    if B.name == "tensorflow":
+        return tf.constant(a)
+    return torch.from_numpy(a) if B.name == "torch" else a
+
+
+def to_np(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy().copy()
+    if isinstance(x, (tf.Tensor, tf.Variable)):
+        return x.numpy().copy()
+    return np.array(x, copy=True)
+
+
+SHAPES = {"w": (40, 100), "b": (100,), "s": (3,)}      # s stays dense (min_sparse_numel=8)
+CFG = dict(compress_ratio=0.01, momentum=0.9, warmup_epochs=2, min_sparse_numel=8, seed=3)
+
+
+def grads(step, rank):
+    rng = np.random.default_rng(1000 * step + rank)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def run_steps(cores, first, last):
+    """Simulated Horovod steps on every rank (allgather = rank-ordered concatenation, dense
+    allreduce = rank-ordered sum); the warm-up epoch is set every 3 steps. Returns the updates."""
+    n, B = len(cores), cores[0].B
+    history = []
+    for step in range(first, last):
+        if step % 3 == 0:
+            for c in cores:
+                c.set_epoch(step // 3)
+        gs = [grads(step, r) for r in range(n)]
+        for name in SHAPES:
+            outs = [c.compress(name, to_backend(B, g[name]), n) for c, g in zip(cores, gs)]
+            if outs[0][0] == "sparse":
+                gathered = B.cat([o[1] for o in outs])
+                ups = [to_np(c.decompress(gathered, o[2], n)) for c, o in zip(cores, outs)]
+            else:
+                ups = [sum(to_np(o[1]) for o in outs) / np.float32(n)] * n
+            history.append(ups)
+    return history
+
+
+def round_trip(B, sd):
+    """Through the framework's serializer, as a user would store it."""
+    if B.name == "torch":
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=True)
+    if B.name == "numpy":
+        return pickle.loads(pickle.dumps(sd))
+    return sd
+
+
+def assert_same_state(a, b):
+    assert set(a.states) == set(b.states)
+    for name, sa in a.states.items():
+        sb = b.states[name]
+        assert (sa.numel, sa.sparse) == (sb.numel, sb.sparse)
+        for x, y in ((sa.u, sb.u), (sa.v, sb.v)):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert np.array_equal(to_np(x), to_np(y))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_core_resume_is_bit_identical(backend):
+    B, world = BACKENDS[backend], 2
+    ref = [DGCCore(DGCConfig(**CFG), B) for _ in range(world)]
+    full = run_steps(ref, 0, 10)
+    first = [DGCCore(DGCConfig(**CFG), B) for _ in range(world)]
+    head = run_steps(first, 0, 5)
+    saved = [round_trip(B, c.state_dict(world_size=world, rank=r)) for r, c in enumerate(first)]
+    del first
+    resumed = [DGCCore(DGCConfig(**CFG), B) for _ in range(world)]
+    for r, (c, sd) in enumerate(zip(resumed, saved)):
+        c.load_state_dict(sd, world_size=world, rank=r)
+        assert c.epoch == 1.0 and c.total_stats.steps == 5
+    tail = run_steps(resumed, 5, 10)
+    assert len(head) + len(tail) == len(full)
+    for got, want in zip(head + tail, full):
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w)
+    for a, b in zip(ref, resumed):
+        assert_same_state(a, b)
+        assert a.total_stats.selected == b.total_stats.selected
+        assert a.total_stats.wire_bytes == b.total_stats.wire_bytes
+
+
+def test_generator_state_matters():
+    """The sampled threshold draws from the generator: restoring it is part of bit-identity."""
+    B = BACKENDS["torch"]
+    core = DGCCore(DGCConfig(**CFG), B)
+    run_steps([core], 0, 2)
+    sd = core.state_dict()
+    fresh = DGCCore(DGCConfig(**CFG), B)
+    assert not torch.equal(fresh.state_dict()["generator"], sd["generator"])
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.state_dict()["generator"], sd["generator"])
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_state_dict_is_a_snapshot(backend):
+    B = BACKENDS[backend]
+    core = DGCCore(DGCConfig(**CFG), B)
+    run_steps([core], 0, 2)
+    sd = core.state_dict()
+    v_before = to_np(sd["tensors"]["w"]["v"])
+    run_steps([core], 2, 4)
+    assert np.array_equal(to_np(sd["tensors"]["w"]["v"]), v_before)
+    assert not np.array_equal(to_np(core.states["w"].v), v_before)
+
+
+def test_state_dict_contents():
+    core = DGCCore(DGCConfig(**CFG), BACKENDS["torch"])
+    run_steps([core], 0, 4)
+    sd = core.state_dict(world_size=2, rank=1)
+    assert set(sd) == {"version", "config", "epoch", "world_size", "rank", "tensors",
+                       "generator", "total_stats", "step_stats"}
+    assert sd["version"] == STATE_DICT_VERSION
+    assert sd["config"] == DGCConfig(**CFG).to_dict()
+    assert (sd["epoch"], sd["world_size"], sd["rank"]) == (1.0, 2, 1)
+    assert {n: (t["numel"], t["sparse"]) for n, t in sd["tensors"].items()} == {
+        "w": (4000, True), "b": (100, True), "s": (3, False)}
+    assert sd["tensors"]["s"]["v"] is None and sd["tensors"]["s"]["u"].shape == (3,)
+    assert sd["total_stats"]["steps"] == 4 and sd["total_stats"]["tensors"] == 12
+    assert sd["generator"].dtype == torch.uint8
+
+
+def test_torch_save_load_round_trip_is_exact(tmp_path):
+    core = DGCCore(DGCConfig(**CFG), BACKENDS["torch"])
+    run_steps([core], 0, 3)
+    sd = core.state_dict(world_size=2, rank=0)
+    torch.save({"dgc": sd}, tmp_path / "ckpt.rank0.pt")
+    back = torch.load(tmp_path / "ckpt.rank0.pt", weights_only=True)["dgc"]
+    assert {k: v for k, v in back.items() if k not in ("tensors", "generator")} == \
+        {k: v for k, v in sd.items() if k not in ("tensors", "generator")}
+    assert torch.equal(back["generator"], sd["generator"])
+    for name, t in sd["tensors"].items():
+        for key in ("u", "v"):
+            assert (t[key] is None) == (back["tensors"][name][key] is None)
+            if t[key] is not None:
+                assert torch.equal(t[key], back["tensors"][name][key])
+    again = DGCCore(DGCConfig(**CFG), BACKENDS["torch"])
+    again.load_state_dict(back, world_size=2, rank=0)
+    assert_same_state(core, again)
+
+
+def trained_state(world_size=2, rank=0):
+    core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
+    run_steps([core], 0, 4)
+    return core.state_dict(world_size=world_size, rank=rank)
+
+
+def untouched(core):
+    return not core.states and core.epoch == 0.0 and core.total_stats.steps == 0
+
+
+def test_load_with_changed_config_names_the_keys():
+    sd = trained_state()
+    core = DGCCore(DGCConfig(**dict(CFG, compress_ratio=0.02, nesterov=True)), BACKENDS["numpy"])
+    with pytest.raises(ValueError, match="different config") as info:
+        core.load_state_dict(sd, world_size=2, rank=0)
+    msg = str(info.value)
+    assert "compress_ratio" in msg and "nesterov" in msg and "0.01" in msg and "0.02" in msg
+    assert "seed" not in msg.split("differ")[0]
+    assert untouched(core)
+
+
+def test_load_with_other_world_size_or_rank_is_refused():
+    sd = trained_state(world_size=2, rank=1)
+    core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
+    with pytest.raises(ValueError, match=r"2 ranks.*has 4.*per rank.*reset_residuals=True"):
+        core.load_state_dict(sd, world_size=4, rank=1)
+    with pytest.raises(ValueError, match=r"saved by rank 1, loaded on rank 0.*per rank"):
+        core.load_state_dict(sd, world_size=2, rank=0)
+    assert untouched(core)
+
+
+def test_reset_residuals_keeps_config_epoch_and_drops_u_v():
+    sd = trained_state(world_size=2, rank=1)
+    core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
+    core.load_state_dict(sd, world_size=4, rank=3, reset_residuals=True)
+    assert core.states == {} and core.epoch == sd["epoch"] == 1.0
+    assert core.total_stats.steps == 4
+    run_steps([core], 4, 5)                     # residuals restart at zero
+    assert set(core.states) == set(SHAPES)
+
+
+@pytest.mark.parametrize("corrupt,match", [
+    (lambda sd: sd.pop("generator"), "missing key"),
+    (lambda sd: sd.update(version=99), "version 99"),
+    (lambda sd: sd["tensors"]["w"].update(v=np.zeros(5, np.float32)), "v has 5 elements"),
+    (lambda sd: sd["tensors"]["w"].update(u=None), "u is missing"),
+    (lambda sd: sd["tensors"]["s"].update(sparse=True), "min_sparse_numel"),
+    (lambda sd: sd["tensors"]["w"].update(numel=0), "numel 0"),
+    (lambda sd: sd.update(epoch=-1.0), "epoch"),
+    (lambda sd: sd["total_stats"].pop("steps"), "CompressionStats"),
+    (lambda sd: sd.update(generator={"bit_generator": "nope"}), "'generator' cannot be restored"),
+])
+def test_malformed_state_dict_is_refused_without_change(corrupt, match):
+    sd = trained_state()
+    corrupt(sd)
+    core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
+    with pytest.raises(ValueError, match=match):
+        core.load_state_dict(sd, world_size=2, rank=0)
+    assert untouched(core)
+
+
+# ============================================================ beyond the index range
+def test_check_numel_boundary():
+    wire.check_numel(2 ** 31 - 1, "ok")
+    with pytest.raises(ValueError, match=r"'emb\.weight' has 2147483648 elements.*at most "
+                                         r"2147483647"):
+        wire.check_numel(2 ** 31, "emb.weight")
+
+
+class _HugeGrad:
+    """Stands for a gradient of 2**31 float32 elements; it has no data."""
+    dtype = np.float32
+    size = 2 ** 31
+
+
+class _NoAllocBackend(NumpyBackend):
+    """NumPy backend that knows _HugeGrad's size and fails the test if asked to allocate."""
+
+    def numel(self, x):
+        return x.size if isinstance(x, _HugeGrad) else super().numel(x)
+
+    def is_floating(self, x):
+        return isinstance(x, _HugeGrad) or super().is_floating(x)
+
+    def zeros(self, n, like=None):
+        if n > wire.MAX_NUMEL:
+            raise AssertionError(f"allocated {n} elements")
+        return super().zeros(n, like)
+
+    def float32_view(self, x):
+        if isinstance(x, _HugeGrad):
+            raise AssertionError("read the huge gradient")
+        return super().float32_view(x)
+
+
+def test_huge_tensor_rejected_before_any_state():
+    core = DGCCore(DGCConfig(min_sparse_numel=1), _NoAllocBackend())
+    with pytest.raises(ValueError, match=r"'huge' has 2147483648 elements.*int32"):
+        core.compress("huge", _HugeGrad(), 2)
+    assert core.states == {} and core.total_stats.tensors == 0
+
+
+@pytest.mark.parametrize("min_sparse_numel", [1, 2 ** 40])     # sparsified or dense alike
+def test_huge_torch_tensor_rejected_without_allocation(min_sparse_numel):
+    """A meta tensor has a shape but no storage: nothing of its size is ever allocated."""
+    core = DGCCore(DGCConfig(min_sparse_numel=min_sparse_numel), BACKENDS["torch"])
+    huge = torch.empty(2 ** 16, 2 ** 15 + 1, device="meta")
+    with pytest.raises(ValueError, match=r"'emb\.weight' has 2147549184 elements"):
+        core.compress("emb.weight", huge, 2)
+    assert core.states == {}
+
+
+def test_huge_tensor_in_a_state_dict_is_refused():
+    sd = trained_state()
+    sd["tensors"]["w"]["numel"] = 2 ** 31
+    core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
+    with pytest.raises(ValueError, match="2147483648 elements"):
+        core.load_state_dict(sd, world_size=2, rank=0)
+    assert untouched(core)
