@@ -26,3 +26,16 @@ def test_non_floating_gradient_is_a_type_error():
 def test_compress_outside_horovod_reduction_explains_usage():
     with pytest.raises(RuntimeError, match="DistributedGradientTape"):
         DGC().compress(tf.zeros([3]))
+
+
+def test_keras3_gets_a_warning_with_the_fix():
+    """Without TF_USE_LEGACY_KERAS, tf.keras is Keras 3, which horovod.tensorflow cannot drive."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    code = ("import warnings; warnings.simplefilter('always'); "
+            "from dgc_horovod.tensorflow import DGC; DGC()")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True)
+    assert "TF_USE_LEGACY_KERAS=1" in proc.stderr and "Keras 3" in proc.stderr

@@ -51,6 +51,12 @@ __all__ = ["DGC", "DGCWarmupCallback", "set_epoch"]
 _HINT = ("pass it as compression= to horovod.tensorflow.DistributedGradientTape or to "
          "horovod.tensorflow.keras.DistributedOptimizer; DGC keeps per-variable state and must know "
          "which variable a gradient belongs to")
+_KERAS3_HINT = ("tf.keras is Keras 3 here: horovod.tensorflow 0.28 calls .ref() and .assign() on "
+                "variables and fails on Keras 3 models (DistributedGradientTape with "
+                "model.trainable_variables, broadcast_variables, the Keras DistributedOptimizer). "
+                "Fix: pip install --no-deps tf-keras==<your TF version> and set "
+                "TF_USE_LEGACY_KERAS=1 before importing tensorflow. Plain tf.Variables work "
+                "either way.")
 _MAX_FRAMES = 80
 # Horovod's reduction function, as written and as converted by AutoGraph inside tf.function.
 _REDUCE_FRAMES = ("allreduce_grads", "tf__allreduce_grads")
@@ -114,6 +120,8 @@ class DGC(Compressor):
         self._names = {}        # variable ref -> unique state name
         self._pending = {}      # state name -> SparseContext between compress and decompress
         self._warned_single = False
+        if str(getattr(tf.keras, "__version__", "2")).startswith("3"):
+            warnings.warn(_KERAS3_HINT)
 
     # warm-up and statistics (same as the PyTorch adapter) ---------------------------------
     def set_epoch(self, epoch):
