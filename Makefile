@@ -30,6 +30,13 @@ demo-tf: install
 	TF_USE_LEGACY_KERAS=1 $(HOROVODRUN) --gloo python examples/tensorflow2_mnist.py --compression dgc $(ARGS)
 	TF_USE_LEGACY_KERAS=1 $(HOROVODRUN) --gloo python examples/tensorflow2_keras_mnist.py --compression dgc $(ARGS)
 
+## bench: wire bytes, compress cost and collectives per step (benchmarks/; ratios side by side)
+.PHONY: bench
+bench: install
+	python benchmarks/wire.py
+	python benchmarks/compress_cost.py
+	python benchmarks/collectives.py
+
 check-build: install
 	horovodrun --check-build
 
