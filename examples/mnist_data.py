@@ -85,3 +85,19 @@ def load_mnist(data_dir=None):
         return load_idx_mnist(data_dir), data_dir
     except (OSError, ValueError) as e:
         sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
+
+
+def normalize(x, shape=(-1, 28, 28, 1)):
+    """float32 (n, 784) in 0..255 -> standardized float32 of ``shape`` (default NHWC)."""
+    return ((x / 255.0 - MNIST_MEAN) / MNIST_STD).astype(np.float32).reshape(shape)
+
+
+def shard_indices(n, seed, rank, size):
+    """This rank's sample indices: a permutation seeded by ``seed`` (an int or a list such as
+    [seed, epoch]), identical on all ranks, padded to a multiple of ``size`` with its first
+    entries (like PyTorch's DistributedSampler), then rank::size."""
+    perm = np.random.default_rng(seed).permutation(n)
+    pad = (-n) % size
+    if pad:
+        perm = np.concatenate([perm, perm[:pad]])
+    return perm[rank::size]

@@ -34,38 +34,8 @@ import horovod.tensorflow.keras as hvd              # noqa: E402
 
 from dgc_horovod.tensorflow import DGC, DGCWarmupCallback  # noqa: E402
 from common import Report, dgc_options, parse_args, warn_if_single  # noqa: E402
-from mnist_data import MNIST_MEAN, MNIST_STD, load_mnist   # noqa: E402
-
-
-def normalize(x):
-    """float32 (n, 784) in 0..255 -> float32 (n, 28, 28, 1), standardized."""
-    return ((x / 255.0 - MNIST_MEAN) / MNIST_STD).astype(np.float32).reshape(-1, 28, 28, 1)
-
-
-def shard_indices(n, seed, rank, size):
-    """This rank's sample indices: a permutation seeded by ``seed``, identical on all ranks,
-    padded to a multiple of ``size`` with its first entries, then rank::size."""
-    perm = np.random.default_rng(seed).permutation(n)
-    pad = (-n) % size
-    if pad:
-        perm = np.concatenate([perm, perm[:pad]])
-    return perm[rank::size]
-
-
-# ----------------------------------------------------------------------------- model
-def make_model():
-    """conv5x5(32) - pool - conv5x5(64) - pool - fc(3136->256) - fc(256->10)."""
-    layers = tf.keras.layers
-    return tf.keras.Sequential([
-        tf.keras.Input(shape=(28, 28, 1)),
-        layers.Conv2D(32, 5, padding="same", activation="relu", name="conv1"),
-        layers.MaxPool2D(2),
-        layers.Conv2D(64, 5, padding="same", activation="relu", name="conv2"),
-        layers.MaxPool2D(2),
-        layers.Flatten(),
-        layers.Dense(256, activation="relu", name="fc1"),
-        layers.Dense(10, name="fc2"),
-    ], name="mnist_cnn")
+from mnist_data import load_mnist, normalize, shard_indices   # noqa: E402
+from tf_model import make_model                              # noqa: E402
 
 
 class ProgressBar(tf.keras.callbacks.Callback):
