@@ -1,6 +1,10 @@
 """Shared helpers: launching real `horovodrun -np 2` jobs from tests."""
 import json
 import os
+
+# tf-keras, not Keras 3, for every TensorFlow import in the test process (before the first one)
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import subprocess
 import sys
 
