@@ -52,3 +52,9 @@ docker:
 	@$(DOCKER) info >/dev/null 2>&1 || { echo "make docker: no Docker engine answers ('$(DOCKER) info' failed); start one, or build on a machine that has one" >&2; exit 1; }
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t dgc_horovod:cpu .
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile.gpu -t dgc_horovod:gpu .
+
+## docs: regenerate docs/api.md from the docstrings and the DGC pipeline figure docs/dgc_pipeline.png
+.PHONY: docs
+docs: install
+	TF_USE_LEGACY_KERAS=1 python scripts/gen_api_docs.py docs/api.md
+	MPLBACKEND=Agg python scripts/draw_dgc_figure.py docs/dgc_pipeline.png

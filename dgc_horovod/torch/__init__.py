@@ -232,11 +232,14 @@ class DGC(Compressor):
         process_set = opt.process_set
         world = process_set.size()
         kind, out, core_ctx = self._core.compress(name, tensor, world, param=p.detach())
+        # Both go through Horovod's allreduce as float32 (what the statistics count), whatever
+        # the gradient's dtype: Horovod's torch collectives have no bfloat16, and a float16
+        # placeholder would make the counted wire bytes wrong. decompress casts back.
         if kind == "dense":
-            return out.view(tensor.shape).to(tensor.dtype), (tensor.shape, tensor.dtype)
+            return out.view(tensor.shape), (tensor.shape, tensor.dtype)
         ticket = self._exchange.send(opt, name, out, process_set)
         ctx = _Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, opt.op == hvd.Average)
-        return tensor.new_zeros(1), ctx
+        return tensor.new_zeros(1, dtype=torch.float32), ctx
 
     def decompress(self, tensor, ctx):
         """Return the averaged (or summed) gradient for Horovod to set as ``p.grad``."""
@@ -267,3 +270,60 @@ class DGC(Compressor):
 
     def __repr__(self):
         return f"DGC({self.config!r})"
+
+
+# Horovod-style entry point and TensorBoard logging --------------------------------------------
+class Compression:
+    """Horovod-style namespace of compressors, like ``horovod.torch.Compression``.
+
+    ``Compression.none`` and ``Compression.fp16`` are Horovod's own; ``Compression.dgc(**kwargs)``
+    returns a new :class:`DGC` with those settings (keyword arguments of
+    :class:`~dgc_horovod.core.DGCConfig`, or ``config=DGCConfig(...)``)::
+
+        from dgc_horovod.torch import Compression
+        compression = Compression.dgc(compress_ratio=0.001)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression)
+
+    Unlike Horovod's stateless compressors, each call returns a new, stateful object: keep it
+    (for ``set_epoch``, statistics and checkpoints) and use it with one optimizer only.
+    """
+
+    none = hvd.Compression.none
+    fp16 = hvd.Compression.fp16
+
+    @staticmethod
+    def dgc(config=None, **kwargs):
+        """A new :class:`DGC` compressor: ``DGC(config=config, **kwargs)``."""
+        return DGC(config=config, **kwargs)
+
+
+def log_stats(writer, dgc, step, since=None, prefix="dgc/"):
+    """Write DGC's statistics as TensorBoard scalars (call it on rank 0 in your training loop).
+
+    Args:
+        writer: anything with ``add_scalar(tag, value, step)``: a
+            ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package) or the
+            dependency-free :class:`dgc_horovod.summary.EventWriter`.
+        dgc (DGC): the compressor.
+        step (int): the global step (or epoch) to record the values at.
+        since (CompressionStats or None): None writes the most recent step's counters
+            (``dgc.stats``); a copy of ``dgc.total_stats`` taken earlier (e.g. at the start of the
+            epoch) writes the counters accumulated since then (``dgc.total_stats.since(since)``).
+        prefix (str): tag prefix.
+
+    Writes ``prefix + name`` for name in :data:`dgc_horovod.summary.STATS_SCALARS` (density,
+    ratio, selected, wire_bytes, dense_bytes, compress_seconds, nonfinite_tensors); returns the
+    dict of values written. Example::
+
+        start = dgc.total_stats.copy()
+        ...train one epoch...
+        if hvd.rank() == 0:
+            log_stats(writer, dgc, epoch, since=start)
+    """
+    from dgc_horovod.summary import write_stats
+    stats = dgc.stats if since is None else dgc.total_stats.since(since)
+    return write_stats(writer, stats, step, prefix=prefix)
+
+
+__all__ += ["Compression", "log_stats"]
