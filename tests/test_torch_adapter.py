@@ -38,3 +38,14 @@ def test_compress_outside_distributed_optimizer_explains_usage():
 def test_repr_shows_every_setting():
     text = repr(DGC(compress_ratio=0.01, clip_norm=1.0))
     assert "compress_ratio=0.01" in text and "clip_norm=1.0" in text and "sample_ratio" in text
+
+
+@pytest.mark.parametrize("arg", ["nesterov", "momentum_masking", "exact_topk", "warmup_per_step"])
+def test_boolean_options_refuse_strings(arg):
+    with pytest.raises(TypeError, match=arg):
+        DGC(**{arg: "False"})
+
+
+def test_set_epoch_refuses_strings():
+    with pytest.raises(TypeError, match="epoch"):
+        DGC().set_epoch("1")

@@ -90,3 +90,9 @@ def test_momentum_in_both_places_is_an_error(run):
 def test_models_differing_across_ranks_is_a_clear_error(run):
     msg = run[0]["model_mismatch"]
     assert msg is not None and "models differ" in msg and "'mm.aux.weight'" in msg, msg
+
+
+def test_adasum_and_a_shared_dgc_object_are_refused(run):
+    r = run[0]["misuse"]
+    assert r["adasum"] is not None and "Adasum" in r["adasum"], r["adasum"]
+    assert r["shared"] is not None and "two DistributedOptimizers" in r["shared"], r["shared"]

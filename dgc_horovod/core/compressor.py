@@ -114,7 +114,9 @@ class DGCCore:
 
     def set_epoch(self, epoch):
         """Set the warm-up position in epochs (float >= 0); call it on every rank alike."""
-        density_at(epoch, self.config.compress_ratio)  # validates
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, float)):
+            raise TypeError(f"epoch must be a number >= 0, got {type(epoch).__name__} {epoch!r}")
+        density_at(epoch, self.config.compress_ratio)  # validates the value
         self.epoch = float(epoch)
 
     def set_step(self, step, steps_per_epoch):

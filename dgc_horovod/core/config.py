@@ -33,6 +33,12 @@ def _check_int(name, value, minimum):
     return value
 
 
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
 def _check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
@@ -109,21 +115,21 @@ class DGCConfig:
                  bucket_numel=2 ** 22):
         self.compress_ratio = _check_fraction("compress_ratio", compress_ratio)
         self.momentum = _check_nonneg("momentum", momentum, upper=1.0)
-        self.nesterov = bool(nesterov)
+        self.nesterov = _check_bool("nesterov", nesterov)
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("nesterov=True needs momentum > 0")
-        self.momentum_masking = bool(momentum_masking)
+        self.momentum_masking = _check_bool("momentum_masking", momentum_masking)
         self.clip_norm = _check_nonneg("clip_norm", clip_norm, allow_none=True)
         if self.clip_norm == 0.0:
             raise ValueError("clip_norm must be > 0 (or None to disable clipping), got 0")
         self.weight_decay = _check_nonneg("weight_decay", weight_decay)
         self.sample_ratio = _check_fraction("sample_ratio", sample_ratio)
-        self.exact_topk = bool(exact_topk)
+        self.exact_topk = _check_bool("exact_topk", exact_topk)
         self.min_sparse_numel = _check_int("min_sparse_numel", min_sparse_numel, 1)
         self.warmup_epochs = _check_nonneg("warmup_epochs", warmup_epochs)
         self.warmup_initial_density = _check_fraction("warmup_initial_density",
                                                       warmup_initial_density)
-        self.warmup_per_step = bool(warmup_per_step)
+        self.warmup_per_step = _check_bool("warmup_per_step", warmup_per_step)
         self.seed = _check_int("seed", seed, 0)
         self.wire_index = _check_choice("wire_index", wire_index, ("delta16", "int32"))
         self.wire_values = _check_choice("wire_values", wire_values, ("float32", "float16"))

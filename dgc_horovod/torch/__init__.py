@@ -46,6 +46,7 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
 """
 import sys
 import warnings
+import weakref
 
 import horovod.torch as hvd
 import torch
@@ -76,6 +77,10 @@ def _find_parameter(tensor, compressor):
             if getattr(opt, "_compression", None) is not compressor:
                 raise RuntimeError("this DGC object is not the compression of the Horovod "
                                    "optimizer calling it; " + _HINT)
+            if getattr(opt, "op", None) not in (hvd.Average, hvd.Sum):
+                # (Horovod's Adasum optimizer has no op attribute and compresses parameters)
+                raise RuntimeError("DGC supports hvd.DistributedOptimizer with op=hvd.Average or "
+                                   "op=hvd.Sum, not op=hvd.Adasum")
             for p in candidates:
                 if _owns(p, tensor):
                     return opt, p, opt._parameter_names[p]
@@ -119,9 +124,13 @@ class DGC(Compressor):
     Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig` (compress_ratio=0.001,
     momentum=0.9, nesterov=False, momentum_masking=True, clip_norm=None, weight_decay=0.0,
     sample_ratio=0.01, exact_topk=False, min_sparse_numel=1, warmup_epochs=4,
-    warmup_initial_density=0.25, warmup_per_step=False, seed=0), or pass ``config=DGCConfig(...)``.
+    warmup_initial_density=0.25, warmup_per_step=False, seed=0, wire_index="delta16",
+    wire_values="float32", bucket_numel=2**22), or pass ``config=DGCConfig(...)``.
 
-    Use one DGC object per DistributedOptimizer, created identically on every rank.
+    Use one DGC object per DistributedOptimizer (a second optimizer is refused), created
+    identically on every rank. Keep a reference to it and call ``set_epoch(epoch)`` every epoch:
+    without it the warm-up never advances and DGC keeps sending ``warmup_initial_density``
+    (25%) of each gradient instead of ``compress_ratio``.
 
     Checkpoint and resume: DGC state is per rank (each rank's residual v holds the part of its own
     gradients it has not sent yet), so each rank saves its own file, e.g.
@@ -152,6 +161,7 @@ class DGC(Compressor):
         self._core = DGCCore(self.config, TorchBackend())
         self._exchange = Exchange(self._core, self.config.bucket_numel)
         self._checked = set()
+        self._optimizer = None          # weak reference to the one optimizer this DGC serves
         if hvd.is_initialized() and hvd.size() == 1:
             warnings.warn("one Horovod process: hvd.DistributedOptimizer registers no gradient "
                           "hooks and never calls the compressor, so DGC (and its momentum "
@@ -253,10 +263,20 @@ class DGC(Compressor):
         return dense.view(ctx.shape).to(ctx.dtype)
 
     def _check(self, opt, p, name):
-        if opt.op not in (hvd.Average, hvd.Sum):
-            raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
+        owner = self._optimizer() if self._optimizer is not None else None
+        if owner is None:
+            self._optimizer = weakref.ref(opt)
+        elif owner is not opt:
+            raise ValueError("one DGC object is the compression of two DistributedOptimizers; "
+                             "its per-parameter residuals would mix the two models' gradients. "
+                             "Create one DGC(...) per optimizer.")
         for group in opt.param_groups:
             if any(q is p for q in group["params"]):
+                if "betas" in group and self.config.momentum > 0 and not self._checked:
+                    warnings.warn(
+                        f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
+                        f"momentum={self.config.momentum}) adds momentum correction on top. For "
+                        "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
                 m = group.get("momentum", 0.0) or 0.0
                 if m > 0 and self.config.momentum > 0:
                     raise ValueError(

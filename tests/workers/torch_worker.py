@@ -195,6 +195,28 @@ def scenario_model_mismatch(results, prefix):
         results["model_mismatch"] = str(e)
 
 
+def scenario_misuse(results, prefix):
+    """Adasum, and one DGC shared by two optimizers: clear errors, raised on every rank alike."""
+    out = {}
+    model, opt = make(prefix + ".adasum", DGC(), op=hvd.Adasum)
+    x, y = batches(1, 7)[0]
+    try:
+        F.cross_entropy(model(x), y).backward()
+        out["adasum"] = None
+    except RuntimeError as e:
+        out["adasum"] = str(e)
+    shared = DGC(warmup_epochs=0)
+    m1, o1 = make(prefix + ".first", shared)
+    m2, o2 = make(prefix + ".second", shared)
+    train(m1, o1, steps=1)
+    try:
+        train(m2, o2, steps=1)
+        out["shared"] = None
+    except ValueError as e:
+        out["shared"] = str(e)
+    results["misuse"] = out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -208,6 +230,7 @@ def main():
     scenario_nonfinite(results, "nf")
     scenario_momentum_twice(results, "mt")
     scenario_model_mismatch(results, "mm")
+    scenario_misuse(results, "mu")
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
