@@ -1,7 +1,8 @@
 """Write docs/api.md, the API reference, from the docstrings of dgc_horovod's public names.
 
 Usage: ``python scripts/gen_api_docs.py [OUTPUT]`` (default docs/api.md; ``make docs``).
-Covers the ``__all__`` of dgc_horovod.core, dgc_horovod.summary, dgc_horovod.torch and
+Covers the ``__all__`` of dgc_horovod.core, dgc_horovod.summary, dgc_horovod.adapter (the
+methods both DGC compressors inherit), dgc_horovod.torch and
 dgc_horovod.tensorflow (standard library ``inspect`` only). The output depends only on the
 source, so tests/test_docs.py can check that the committed file is up to date.
 """
@@ -14,7 +15,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = ["dgc_horovod.core", "dgc_horovod.summary", "dgc_horovod.torch",
+MODULES = ["dgc_horovod.core", "dgc_horovod.summary", "dgc_horovod.adapter", "dgc_horovod.torch",
            "dgc_horovod.tensorflow"]
 
 

@@ -43,7 +43,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from dgc_horovod.core import DGCConfig, DGCCore
+from dgc_horovod.adapter import DGCAdapter
 from dgc_horovod.tensorflow.backend import TFBackend
 
 __all__ = ["DGC", "DGCWarmupCallback", "set_epoch"]
@@ -97,16 +97,7 @@ def _find_variable(tensor):
                        "reduction; " + _HINT)
 
 
-def _job(process_set):
-    """(size, rank) of ``process_set`` (default: Horovod's global process set)."""
-    if not hvd.is_initialized():
-        raise RuntimeError("call hvd.init() before DGC.state_dict / load_state_dict: DGC state is "
-                           "per rank and records the world size and rank it belongs to")
-    ps = hvd.global_process_set if process_set is None else process_set
-    return ps.size(), ps.rank()
-
-
-class DGC(Compressor):
+class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod TensorFlow compressor (Lin et al., ICLR 2018).
 
     Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig`, or ``config=DGCConfig``.
@@ -121,30 +112,15 @@ class DGC(Compressor):
     non-floating gradient.
     """
 
+    _hvd = hvd
+
     def __init__(self, config=None, **kwargs):
-        if config is not None and kwargs:
-            raise TypeError("pass either config=DGCConfig(...) or keyword arguments, not both")
-        self.config = config if config is not None else DGCConfig(**kwargs)
-        self._core = DGCCore(self.config, TFBackend())
+        super().__init__(config, TFBackend(), **kwargs)
         self._names = {}        # variable ref -> unique state name
         self._pending = {}      # state name -> SparseContext between compress and decompress
         self._warned_single = False
         if str(getattr(tf.keras, "__version__", "2")).startswith("3"):
             warnings.warn(_KERAS3_HINT)
-
-    # warm-up and statistics (same as the PyTorch adapter) ---------------------------------
-    def set_epoch(self, epoch):
-        """Set the warm-up position (epochs completed, float); call on every rank alike."""
-        self._core.set_epoch(epoch)
-
-    def set_step(self, step, steps_per_epoch):
-        """Set the warm-up position from a step count: epoch = step / steps_per_epoch."""
-        self._core.set_step(step, steps_per_epoch)
-
-    density = property(lambda self: self._core.density)
-    stats = property(lambda self: self._core.step_stats)
-    total_stats = property(lambda self: self._core.total_stats)
-    states = property(lambda self: self._core.states)
 
     def _name_of(self, var):
         key = id(var)              # the variable is kept alive below, so the id stays unique
@@ -158,40 +134,11 @@ class DGC(Compressor):
             self._names[key] = (var, name)
         return self._names[key][1]
 
-    # checkpoint and resume (same as the PyTorch adapter) ------------------------------------
-    def state_dict(self, process_set=None):
-        """This rank's DGC state, to save in this rank's own checkpoint file.
-
-        A plain dict (see :meth:`dgc_horovod.core.DGCCore.state_dict`): config, warm-up epoch,
-        every variable's velocity u, residual v and sparse flag keyed by its state name (the
-        variable's name), the threshold-sampling generator state, the cumulative statistics, and
-        the world size and rank of ``process_set`` (default: the global one). Tensors are eager
-        ``tf.Tensor`` copies (convert with ``.numpy()`` to pickle or ``np.savez``). Call it
-        between steps, not while a step is running.
-        """
-        world, rank = _job(process_set)
-        return self._core.state_dict(world_size=world, rank=rank)
-
     def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
-        """Restore :meth:`state_dict` of the same rank; resuming is then bit-identical.
-
-        Create the DGC with the same settings first, and load before the next step. Tensors may
-        be ``tf.Tensor``, NumPy arrays or anything ``tf.cast`` accepts.
-
-        Args:
-            state_dict (dict): what :meth:`state_dict` returned on this rank.
-            reset_residuals (bool): keep config, warm-up epoch, generator and statistics, but
-                drop every u and v (they restart at zero), e.g. to resume with a different
-                number of ranks; the dropped residual is a small one-off perturbation.
-            process_set: the Horovod process set DGC runs in (default: the global one).
-        Raises:
-            ValueError: a different config (names the differing keys); a different world size or
-                rank without ``reset_residuals``; a malformed dict.
-        """
-        world, rank = _job(process_set)
-        self._core.load_state_dict(state_dict, world_size=world, rank=rank,
-                                   reset_residuals=reset_residuals)
+        super().load_state_dict(state_dict, reset_residuals, process_set)
         self._pending.clear()
+
+    load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__
 
     # Horovod Compressor API ---------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -259,8 +206,6 @@ class DGC(Compressor):
         dense = tf.py_function(run_decompress, [gathered, tensor], tf.float32)
         return tf.cast(tf.reshape(dense, original.shape), original.dtype)
 
-    def __repr__(self):
-        return f"DGC({self.config!r})"
 
 
 def _momentum_of(optimizer):

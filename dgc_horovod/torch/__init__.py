@@ -52,7 +52,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from dgc_horovod.core import DGCConfig, DGCCore
+from dgc_horovod.adapter import DGCAdapter
 from dgc_horovod.torch.backend import TorchBackend
 from dgc_horovod.torch.exchange import Exchange
 
@@ -99,15 +99,6 @@ def _owns(p, tensor):
     return g is tensor or (g is not None and g.is_sparse and g.shape == tensor.shape)
 
 
-def _job(process_set):
-    """(size, rank) of ``process_set`` (default: Horovod's global process set)."""
-    if not hvd.is_initialized():
-        raise RuntimeError("call hvd.init() before DGC.state_dict / load_state_dict: DGC state is "
-                           "per rank and records the world size and rank it belongs to")
-    ps = hvd.global_process_set if process_set is None else process_set
-    return ps.size(), ps.rank()
-
-
 class _Pending:
     """ctx of a sparsified tensor between compress and decompress."""
 
@@ -118,7 +109,7 @@ class _Pending:
         self.world_size, self.average = world_size, average
 
 
-class DGC(Compressor):
+class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod compressor (Lin et al., ICLR 2018).
 
     Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig` (compress_ratio=0.001,
@@ -154,11 +145,10 @@ class DGC(Compressor):
         ``hvd.DistributedOptimizer``, or with ``op=hvd.Adasum``.
     """
 
+    _hvd = hvd
+
     def __init__(self, config=None, **kwargs):
-        if config is not None and kwargs:
-            raise TypeError("pass either config=DGCConfig(...) or keyword arguments, not both")
-        self.config = config if config is not None else DGCConfig(**kwargs)
-        self._core = DGCCore(self.config, TorchBackend())
+        super().__init__(config, TorchBackend(), **kwargs)
         self._exchange = Exchange(self._core, self.config.bucket_numel)
         self._checked = set()
         self._optimizer = None          # weak reference to the one optimizer this DGC serves
@@ -167,66 +157,6 @@ class DGC(Compressor):
                           "hooks and never calls the compressor, so DGC (and its momentum "
                           "correction) does nothing; launch 2+ processes, or train with the "
                           "optimizer's own momentum on one")
-
-    # warm-up and statistics ------------------------------------------------------------
-    def set_epoch(self, epoch):
-        """Set the warm-up position (epochs completed, float); call on every rank alike."""
-        self._core.set_epoch(epoch)
-
-    def set_step(self, step, steps_per_epoch):
-        """Set the warm-up position from a step count: epoch = step / steps_per_epoch."""
-        self._core.set_step(step, steps_per_epoch)
-
-    @property
-    def density(self):
-        return self._core.density
-
-    @property
-    def stats(self):
-        return self._core.step_stats
-
-    @property
-    def total_stats(self):
-        return self._core.total_stats
-
-    @property
-    def states(self):
-        """Per-parameter :class:`~dgc_horovod.core.compressor.TensorState`, keyed by name."""
-        return self._core.states
-
-    # checkpoint and resume ---------------------------------------------------------------
-    def state_dict(self, process_set=None):
-        """This rank's DGC state, to save in this rank's own checkpoint file.
-
-        A plain dict (see :meth:`dgc_horovod.core.DGCCore.state_dict`): config, warm-up epoch,
-        every parameter's velocity u, residual v and sparse flag keyed by parameter name, the
-        threshold-sampling generator state, the cumulative statistics, and the world size and
-        rank of ``process_set`` (default: the global one). Copies, safe to keep. Call it between
-        steps, e.g. after ``opt.step()``. ``torch.load(..., weights_only=True)`` can read it.
-        """
-        world, rank = _job(process_set)
-        return self._core.state_dict(world_size=world, rank=rank)
-
-    def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
-        """Restore :meth:`state_dict` of the same rank; resuming is then bit-identical.
-
-        Create the DGC with the same settings first. Tensors keep the device they are loaded on:
-        use ``torch.load(path, map_location=...)`` matching the parameters' device.
-
-        Args:
-            state_dict (dict): what :meth:`state_dict` returned on this rank.
-            reset_residuals (bool): keep config, warm-up epoch, generator and statistics, but
-                drop every u and v (they restart at zero); the way to resume with a different
-                number of ranks. The dropped residual is gradient that is never applied: a small
-                one-off perturbation.
-            process_set: the Horovod process set DGC runs in (default: the global one).
-        Raises:
-            ValueError: a different config (names the differing keys); a different world size or
-                rank without ``reset_residuals`` (residuals are per rank); a malformed dict.
-        """
-        world, rank = _job(process_set)
-        self._core.load_state_dict(state_dict, world_size=world, rank=rank,
-                                   reset_residuals=reset_residuals)
 
     # Horovod Compressor API ---------------------------------------------------------------
     def compress(self, tensor):
@@ -288,8 +218,6 @@ class DGC(Compressor):
                 break
         self._checked.add(name)
 
-    def __repr__(self):
-        return f"DGC({self.config!r})"
 
 
 # Horovod-style entry point and TensorBoard logging --------------------------------------------
