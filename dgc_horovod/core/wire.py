@@ -52,10 +52,15 @@ def payload_bytes(count, index="int32", values="float32", tokens=None):
 
     ``tokens`` (delta16 only): number of 16-bit tokens, count plus escapes (default: no escape).
     """
-    t = count if tokens is None else tokens
-    idx_words = count if index == "int32" else math.ceil(t / 2)
-    val_words = count if values == "float32" else math.ceil(count / 2)
+    idx_words, val_words = _section_words(count, index, values,
+                                          count if tokens is None else tokens)
     return HEADER_BYTES + 4 * (idx_words + val_words)
+
+
+def _section_words(count, index, values, tokens):
+    """(index words, value words) of a payload's body, as laid out in the module docstring."""
+    return (count if index == "int32" else math.ceil(tokens / 2),
+            count if values == "float32" else math.ceil(count / 2))
 
 
 def check_numel(numel, name):
@@ -146,8 +151,7 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>"):
         index, values = INDEX_ENCODINGS[index_code], VALUE_DTYPES[value_code]
         if (index == "int32" and tokens != c) or not c <= tokens <= numel:
             _fail(name, rank, f"has {tokens} index tokens for {c} entries")
-        idx_words = c if index == "int32" else math.ceil(tokens / 2)
-        val_words = c if values == "float32" else math.ceil(c / 2)
+        idx_words, val_words = _section_words(c, index, values, tokens)
         start = pos + HEADER_WORDS
         end = start + idx_words + val_words
         if end > total:
@@ -201,9 +205,8 @@ def _payload_words(B, words, pos, total, name, rank):
     index_code, value_code = (word3 >> 8) & 0xFF, (word3 >> 16) & 0xFF
     if c < 0 or tokens < 0 or index_code >= len(INDEX_ENCODINGS) or value_code >= len(VALUE_DTYPES):
         _fail(name, rank, f"has a malformed payload header (count {c}, encoding {word3:#x})")
-    idx_words = c if index_code == 0 else math.ceil(tokens / 2)
-    val_words = c if value_code == 0 else math.ceil(c / 2)
-    return HEADER_WORDS + idx_words + val_words
+    return HEADER_WORDS + sum(_section_words(c, INDEX_ENCODINGS[index_code],
+                                             VALUE_DTYPES[value_code], tokens))
 
 
 def split_bucket(B, gathered, world_size, members, name="<bucket>"):
