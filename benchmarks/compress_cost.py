@@ -2,12 +2,15 @@
 
 1. ResNet-50's 161 gradient tensors (25,557,032 elements, shapes from benchmarks/shapes.py):
    per step, accumulate + select + encode for all tensors (dgc_horovod.core.DGCCore on PyTorch
-   tensors, density 0.001, default settings) against one plain memory pass over the same
+   tensors, density 0.001, default settings; the fused C kernels, which are the default on CPU, and
+   the tensor-op path, DGCCore.use_kernels = False) against one plain memory pass over the same
    gradients (an in-place add of one gradient set into another), and against exact per-tensor
-   top-k (torch.topk) alone. Prints the ratios.
-2. Selection quality: the L1 mass captured by the sampled selection against the exact top-k of
-   the same count, on Gaussian, Laplace, Student-t (3 dof) and tie-heavy gradients.
-3. Scale: cost per element of compress on single tensors of 1e4 … 1e8 elements.
+   top-k (torch.topk) alone. Prints the ratios, once with 1 torch thread and once with torch's
+   default thread count (the kernels use as many threads as torch's intra-op pool).
+2. Selection quality: the L1 mass captured by the sampled selection (DGCCore.compress, fused path)
+   against the exact top-k of the same count, on Gaussian, Laplace, Student-t (3 dof) and
+   tie-heavy gradients.
+3. Scale: cost per element of compress (fused path) on single tensors of 1e4 … 1e8 elements.
 
     python benchmarks/compress_cost.py [--repeats 5] [--max-elements 1e8]
 """
@@ -25,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import resnet50  # noqa: E402
 
 from dgc_horovod.core import DGCConfig, DGCCore  # noqa: E402
-from dgc_horovod.core.sparsify import k_for, select_topk  # noqa: E402
+from dgc_horovod.core.sparsify import k_for  # noqa: E402
 from dgc_horovod.torch.backend import TorchBackend  # noqa: E402
 
 
@@ -39,13 +42,18 @@ def timed(fn, repeats):
     return statistics.median(times)
 
 
-def resnet_cost(repeats, density):
+def resnet_cost(repeats, density, threads):
+    torch.set_num_threads(threads)
     shapes = resnet50()
     grads = [torch.randn(math.prod(s)) for _, s in shapes]
     other = [torch.randn(g.numel()) for g in grads]
-    core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
+    cores = []
+    for use_kernels in (True, False):
+        core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
+        core.use_kernels = use_kernels and core.use_kernels
+        cores.append(core)
 
-    def compress_all():
+    def compress_all(core):
         for (name, _), g in zip(shapes, grads):
             core.compress(name, g, world_size=8)
 
@@ -57,12 +65,17 @@ def resnet_cost(repeats, density):
         for g in grads:
             torch.topk(g.abs(), k_for(g.numel(), density), sorted=False)
 
-    t_dgc, t_pass, t_topk = (timed(f, repeats) for f in (compress_all, add_pass, exact_topk))
+    t_pass, t_dgc, t_ops, t_topk = (timed(f, repeats) for f in (
+        add_pass, lambda: compress_all(cores[0]), lambda: compress_all(cores[1]), exact_topk))
     n = sum(g.numel() for g in grads)
+    fused = "fused C kernels" if cores[0].use_kernels else "KERNELS NOT BUILT: tensor ops"
     print(f"ResNet-50 gradients: {len(grads)} tensors, {n:,} elements, density {density}, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
     print(f"  one memory pass (in-place add)   {1e3 * t_pass:8.1f} ms   1.00x")
-    print(f"  DGC accumulate+select+encode     {1e3 * t_dgc:8.1f} ms   {t_dgc / t_pass:5.2f}x")
+    print(f"  DGC accumulate+select+encode     {1e3 * t_dgc:8.1f} ms   {t_dgc / t_pass:5.2f}x"
+          f"   ({fused}, the default)")
+    print(f"  ... the same on tensor ops       {1e3 * t_ops:8.1f} ms   {t_ops / t_pass:5.2f}x"
+          "   (DGCCore.use_kernels = False: CUDA, TensorFlow)")
     print(f"  exact top-k per tensor (topk)    {1e3 * t_topk:8.1f} ms   {t_topk / t_pass:5.2f}x")
     return t_dgc / t_pass
 
@@ -81,7 +94,6 @@ def make_dist(kind, n, rng):
 
 
 def recall(n=1_000_000, density=0.001, seeds=5):
-    B = TorchBackend()
     print(f"Selection quality, n={n:,}, density {density}: L1 mass of the sampled selection / "
           "L1 mass of the exact top-k of the same count (min over "
           f"{seeds} seeds)")
@@ -90,7 +102,10 @@ def recall(n=1_000_000, density=0.001, seeds=5):
         ratios = []
         for seed in range(seeds):
             v = torch.from_numpy(make_dist(kind, n, np.random.default_rng(seed)).astype(np.float32))
-            idx = select_topk(B, v, k_for(n, density), 0.01, False, B.generator(seed))
+            # momentum 0 and an empty residual: the selection runs on v itself
+            core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0, momentum=0.0,
+                                     momentum_masking=False, seed=seed), TorchBackend())
+            idx = core.compress("v", v, world_size=1)[2].indices
             c = idx.numel()
             got = float(v[idx].abs().sum())
             best = float(torch.topk(v.abs(), c).values.sum()) if c else 0.0
@@ -101,7 +116,8 @@ def recall(n=1_000_000, density=0.001, seeds=5):
 
 
 def scaling(repeats, max_elements, density):
-    print(f"Cost per element of compress on one tensor (density {density}):")
+    print(f"Cost per element of compress on one tensor (density {density}, "
+          f"torch threads {torch.get_num_threads()}):")
     costs = []
     for e in range(4, int(round(math.log10(max_elements))) + 1):
         n = 10 ** e
@@ -122,7 +138,12 @@ def main():
     ap.add_argument("--max-elements", type=float, default=1e8)
     args = ap.parse_args()
     torch.manual_seed(0)
-    resnet_cost(args.repeats, args.density)
+    default_threads = torch.get_num_threads()
+    print(f"{os.cpu_count()} CPUs; load average before: "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    for threads in sorted({1, default_threads}):
+        resnet_cost(args.repeats, args.density, threads)
+    torch.set_num_threads(default_threads)
     recall(density=args.density)
     scaling(args.repeats, args.max_elements, args.density)
 

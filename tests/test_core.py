@@ -24,6 +24,9 @@ from dgc_horovod.tensorflow.backend import TFBackend
 F32 = np.float32
 BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend(), "tensorflow": TFBackend()}
 BACKEND_NAMES = sorted(BACKENDS)
+# DGCCore runs its fused C kernels (dgc_horovod/core/_kernels.c) on NumPy and CPU torch tensors;
+# "<backend>-ops" forces the tensor-op path there, so that both paths meet the references
+CORE_PATHS = BACKEND_NAMES + ["numpy-ops", "torch-ops"]
 
 # Wire format "DGC v2", as documented: 5 header words [magic, numel, count,
 # flags | index_code << 8 | value_code << 16, tokens], then the index section, then the values.
@@ -209,8 +212,13 @@ def to_np(x):
 
 
 def make_ranks(world_size, backend, **cfg):
+    """One DGCCore per rank; backend "numpy-ops" / "torch-ops": without the fused kernels."""
     cfg.setdefault("warmup_epochs", 0)
-    return [DGCCore(DGCConfig(**cfg), BACKENDS[backend]) for _ in range(world_size)]
+    name, _, path = backend.partition("-")
+    cores = [DGCCore(DGCConfig(**cfg), BACKENDS[name]) for _ in range(world_size)]
+    for core in cores:
+        core.use_kernels = core.use_kernels and path != "ops"
+    return cores
 
 
 def exchange(cores, name, grads, params=None, average=True):
@@ -746,7 +754,7 @@ def test_wire_format_error_is_value_error():
 
 
 # ============================================================ DGCCore end to end
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("backend", CORE_PATHS)
 @pytest.mark.parametrize("world_size", [1, 3])
 @pytest.mark.parametrize("m,nesterov,masking,clip", [(0.0, False, False, None),
                                                      (0.9, False, True, None),
@@ -776,9 +784,11 @@ def test_compress_decompress_matches_numpy_reference(backend, world_size, m, nes
             np.testing.assert_allclose(v, refs[r].v, rtol=1e-5, atol=1e-6)
             if m:
                 np.testing.assert_allclose(u, refs[r].u, rtol=1e-5, atol=1e-6)
+    # the fused kernels ran on NumPy / torch, the tensor ops on "-ops" and TensorFlow
+    assert bool(cores[0].states["fc.weight"].plan) == (backend in ("numpy", "torch"))
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("backend", CORE_PATHS)
 def test_all_ranks_decompress_identically(backend):
     rng = np.random.default_rng(8)
     cores = make_ranks(3, backend, compress_ratio=0.01, min_sparse_numel=1)   # sampled selection
@@ -841,7 +851,7 @@ def test_all_zero_gradient_sends_header_only(backend):
 
 
 # ============================================================ equivalence with dense SGD
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("backend", CORE_PATHS)
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("reference", ["torch", "numpy"])
@@ -860,7 +870,7 @@ def test_ratio_one_with_masking_equals_plain_sgd(backend, world_size):
     run_against_sgd(backend, world_size, cfg, dict(momentum=0.0))
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("backend", CORE_PATHS)
 def test_ratio_one_weight_decay_equals_sgd_weight_decay(backend):
     cfg = dict(compress_ratio=1.0, min_sparse_numel=1, momentum=0.9, momentum_masking=False,
                weight_decay=0.1)

@@ -22,11 +22,12 @@ from conftest import ROOT
 EXPECTED_EXTRAS = {"torch": {"torch", "horovod"},
                    "tensorflow": {"tensorflow", "tf-keras", "horovod"},
                    "tensorflow-cpu": {"tensorflow-cpu", "horovod"},
-                   "test": {"pytest"}}
+                   "test": {"pytest"},
+                   "examples": {"mlxtend", "tqdm"}}
 # the extra whose requirements an adapter's ModuleNotFoundError must name
 ADAPTER_EXTRA = {"dgc_horovod.torch": "torch", "dgc_horovod.tensorflow": "tensorflow"}
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
-                                     "*.pyc", ".pytest_cache", "data")
+                                     "*.pyc", ".pytest_cache", "data", "*.so")
 
 # Runs inside the clean venv (python -I: no PYTHONPATH, no user site, no cwd on sys.path).
 PROBE = r"""
@@ -114,7 +115,7 @@ def test_sdist_carries_what_setup_py_reads(built):
     files = built["sdist_files"]
     for needed in ("setup.py", "README.md", "MANIFEST.in", "dgc_horovod/__init__.py",
                    "dgc_horovod/core/__init__.py", "dgc_horovod/torch/__init__.py",
-                   "dgc_horovod/tensorflow/__init__.py"):
+                   "dgc_horovod/tensorflow/__init__.py", "dgc_horovod/core/_kernels.c"):
         assert needed in files, f"{needed} missing from the sdist: {files}"
     assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]
 
@@ -125,7 +126,10 @@ def test_wheel_from_sdist_equals_wheel_from_tree(built):
             return sorted(n for n in z.namelist() if not n.endswith("RECORD"))
     tree, sdist = listing(built["wheels"]["tree"]), listing(built["wheels"]["sdist"])
     assert tree == sdist
-    assert built["wheels"]["tree"].name == f"dgc_horovod-{_repo_version()}-py3-none-any.whl"
+    # a platform wheel: it carries the compiled fused kernels (dgc_horovod/core/_kernels.c)
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    assert built["wheels"]["tree"].name.startswith(f"dgc_horovod-{_repo_version()}-{tag}-{tag}-")
+    assert [n for n in tree if n.startswith("dgc_horovod/core/_kernels.") and n.endswith(".so")]
     packages = {n.rsplit("/", 1)[0] for n in tree if n.endswith("/__init__.py")}
     assert packages == {"dgc_horovod", "dgc_horovod/core", "dgc_horovod/torch",
                         "dgc_horovod/tensorflow"}, packages  # no tests/, examples/, benchmarks/

@@ -11,9 +11,13 @@ import numpy as np
 
 __all__ = ["Backend", "NumpyBackend"]
 
+_UNKNOWN = object()
+
 
 class Backend:
-    """Operations on flat tensors used by the DGC core. Every method must be implemented.
+    """Operations on flat tensors used by the DGC core. Every method must be implemented, except
+    the fused-kernel hooks at the end (kernel_ptr, kernel_fma, kernel_threads, sample_positions,
+    empty, copy): their defaults opt out of :mod:`dgc_horovod.core.kernels`.
 
     Conventions: "float tensor" = float32, "index tensor" = int64 (positions in a flat tensor),
     "words" = int32. Scalars may be Python floats or 0-d tensors of the backend.
@@ -78,12 +82,28 @@ class Backend:
                                                                # from later in-place updates
     def generator_state(self, generator): raise NotImplementedError  # a copy of its state
     def set_generator_state(self, generator, state): raise NotImplementedError
+    # --- fused CPU kernels (dgc_horovod.core.kernels). Optional: these defaults opt out, and the
+    #     core then runs the tensor ops above. A backend that opts in implements all five.
+    def kernel_ptr(self, x): return None                 # address (int) of x's first element if
+                                                         # the C kernels may read and write it
+                                                         # (host memory, contiguous), else None
+    def kernel_fma(self): return None                    # True / False: its float32 a*b + c
+                                                         # rounds once / twice (kernels.calibrate);
+                                                         # None: never use the kernels
+    def sample_positions(self, n, s, generator): raise NotImplementedError  # int64 (s,): the
+                                                         # positions sample() draws for n entries
+    def empty(self, n, dtype, like): raise NotImplementedError  # uninitialised (n,) tensor of
+                                                         # dtype "float32", "int64" or "int32"
+    def copy(self, x): raise NotImplementedError         # a new tensor equal to x (same dtype)
+    def kernel_threads(self): return 1                   # threads the kernels may use (as many
+                                                         # as the framework's own CPU ops)
 
 
 class NumpyBackend(Backend):
     """Reference backend on NumPy arrays (float32 state, int64 indices)."""
 
     name = "numpy"
+    _fma = _UNKNOWN     # kernel_fma(): calibrated on first use
 
     def numel(self, x): return int(x.size)
     def zeros(self, n, like=None): return np.zeros(n, dtype=np.float32)
@@ -178,3 +198,24 @@ class NumpyBackend(Backend):
 
     def set_generator_state(self, generator, state):
         generator.bit_generator.state = copy.deepcopy(state)
+
+    _DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32}
+
+    def kernel_ptr(self, x):
+        if (isinstance(x, np.ndarray) and x.flags.c_contiguous
+                and x.dtype in (np.float32, np.int64, np.int32)):
+            return x.ctypes.data
+        return None
+
+    def kernel_fma(self):
+        if self._fma is _UNKNOWN:
+            from dgc_horovod.core import kernels
+            rng = np.random.default_rng(1234)
+            self._fma = kernels.calibrate(self, rng.standard_normal(4099).astype(np.float32),
+                                          rng.standard_normal(4099).astype(np.float32))
+        return self._fma
+
+    def sample_positions(self, n, s, generator): return generator.integers(0, n, size=s)
+    def empty(self, n, dtype, like=None): return np.empty(n, dtype=self._DTYPES[dtype])
+    def copy(self, x): return x.copy()
+

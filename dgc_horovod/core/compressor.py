@@ -8,6 +8,12 @@ One gradient's path (Lin et al. 2018, Algorithm 1 with the techniques of §3):
     exchange:   the framework adapter allgathers the payload (Horovod allgather)
     decompress: decode every rank's payload and sum in rank order → divide by N → optimizer
 
+On CPU tensors (NumPy, or torch in host memory) the sparse branch of compress runs as two calls
+of the fused C kernels of :mod:`dgc_horovod.core.kernels` (one memory pass for the accumulation,
+the selection and encoding on the few candidates) instead of ~40 tensor ops; CUDA tensors,
+TensorFlow, or ``DGCCore.use_kernels = False`` use the tensor ops of :mod:`accumulate`,
+:mod:`sparsify` and :mod:`wire`. Both paths give bit-identical results.
+
 Tensors smaller than ``min_sparse_numel`` skip selection: their momentum-corrected velocity
 (u, or g + m·u with Nesterov) goes through Horovod's dense allreduce, which by linearity gives
 exactly momentum SGD on them.
@@ -16,7 +22,9 @@ Non-finite gradients: a tensor whose local gradient has NaN/Inf is not accumulat
 as they were). Its rank sends an empty payload flagged FLAG_NONFINITE (or, for dense tensors, the
 NaN gradient itself); every rank then returns NaN for that tensor — as a dense allreduce would —
 and the ranks that had sent entries put them back into their residual, so nothing is lost. A
-loss-scaling skip (torch.amp GradScaler) therefore skips the step on every rank alike.
+loss-scaling skip (torch.amp GradScaler) therefore skips the step on every rank alike. (The
+fused path checks every element exactly; the tensor-op path of the torch backend checks the
+float32 sum, so it also counts finite gradients whose sum overflows as non-finite.)
 """
 import threading
 import time
@@ -27,7 +35,7 @@ from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.sparsify import k_for, select_topk
 from dgc_horovod.core.stats import CompressionStats
 from dgc_horovod.core.warmup import density_at
-from dgc_horovod.core import wire
+from dgc_horovod.core import kernels, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
@@ -65,10 +73,11 @@ class TensorState:
     the residual; None for dense tensors).
     """
 
-    __slots__ = ("name", "numel", "sparse", "u", "v")
+    __slots__ = ("name", "numel", "sparse", "u", "v", "plan")
 
     def __init__(self, name, numel, sparse, u, v):
         self.name, self.numel, self.sparse, self.u, self.v = name, numel, sparse, u, v
+        self.plan = None        # kernels.Plan of the fused path; False: tensor ops only
 
 
 class SparseContext:
@@ -89,6 +98,10 @@ class DGCCore:
         backend (Backend): tensor operations (NumPy, PyTorch, TensorFlow).
 
     Thread-safe: compress may be called from autograd threads.
+
+    Attribute ``use_kernels`` (bool): run the fused C kernels (:mod:`dgc_horovod.core.kernels`)
+    for sparsified tensors that live in host memory, when they are built and the backend supports
+    them (default); False runs the tensor ops everywhere. Both give bit-identical results.
     """
 
     def __init__(self, config, backend):
@@ -103,6 +116,7 @@ class DGCCore:
         self._step_names = set()
         self.step_stats = CompressionStats()
         self.total_stats = CompressionStats()
+        self.use_kernels = kernels.available() and backend.kernel_fma() is not None
 
     # ----------------------------------------------------------------- warm-up
     @property
@@ -274,7 +288,7 @@ class DGCCore:
                              f"created for {st.numel}")
         return st
 
-    def _count(self, st, selected, wire_bytes, nonfinite, seconds):
+    def _count(self, st, selected, wire_bytes, nonfinite, seconds, density=None):
         if st.name in self._step_names:        # a tensor seen again: a new step has begun
             self._step_names.clear()
             self.step_stats = CompressionStats()
@@ -282,6 +296,8 @@ class DGCCore:
             self.step_stats.steps = 1
             self.total_stats.steps += 1
         self._step_names.add(st.name)
+        if density is None:
+            density = self.density
         for s in (self.step_stats, self.total_stats):
             s.tensors += 1
             s.sparse_tensors += int(st.sparse)
@@ -291,7 +307,7 @@ class DGCCore:
             s.dense_bytes += 4 * st.numel
             s.nonfinite_tensors += int(nonfinite)
             s.compress_seconds += seconds
-            s.density = self.density
+            s.density = density
 
     # ----------------------------------------------------------------- compress / decompress
     def compress(self, name, grad, world_size, param=None):
@@ -317,7 +333,15 @@ class DGCCore:
         with self._lock:
             st = self._state(name, grad)
             g = B.float32_view(grad)                  # read only from here on
-            if not B.all_finite(g):
+            plan = st.plan if self.use_kernels else False
+            if plan and (plan.u is not st.u or plan.v is not st.v):
+                plan = None                           # the state tensors were replaced
+            if plan is None and st.sparse:
+                plan = self._plan(st, g)
+            gp = B.kernel_ptr(g) if plan else None
+            threads = B.kernel_threads() if gp is not None else 1
+            if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
+                    else B.all_finite(g)):
                 if st.sparse:
                     out = self._encode(st.numel, B.empty_indices(like=g), B.zeros(0, like=g),
                                        wire.FLAG_NONFINITE)
@@ -327,6 +351,8 @@ class DGCCore:
                     result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
                 self._count(st, 0, nbytes, True, time.perf_counter() - t0)
                 return result
+            if gp is not None:
+                return self._compress_fused(st, plan, g, gp, world_size, param, t0, threads)
             scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
             if c.weight_decay:
                 g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
@@ -339,22 +365,55 @@ class DGCCore:
             momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov, scale)
             k = k_for(st.numel, self.density)
             idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
+            return self._finish_ops(st, idx, t0)
+
+    def _compress_fused(self, st, plan, g, gp, world_size, param, t0, threads):
+        """The sparse branch of compress on the fused kernels (st.plan applies, g is finite)."""
+        B, c = self.B, self.config
+        density = self.density
+        if density != plan.density:
+            plan.set_density(B, st.numel, c, density)
+        idx = kernels.accumulate_select(self, st, plan, g, gp, world_size, param, threads)
+        if c.wire_values != "float32":
             if c.wire_index == "delta16":
                 idx = B.sort(idx)
-            vals = B.take(st.v, idx)
-            u_sent = B.take(st.u, idx) if (c.momentum_masking and st.u is not None) else None
-            clear_sent(B, st.u, st.v, idx, c.momentum_masking)
-            sent = vals
-            if c.wire_values == "float16":
-                # what the receivers will see; the rounding (and clipping at the fp16 range)
-                # error stays in the residual: error feedback for the quantization too
-                sent = B.to_fp16_and_back(B.clamp(vals, -_FP16_MAX, _FP16_MAX))
-                B.scatter_(st.v, idx, vals - sent)
-            payload = self._encode(st.numel, idx, sent)
-            count = B.numel(idx)
-            self._count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
-                        time.perf_counter() - t0)
-            return "sparse", payload, SparseContext(name, st.numel, idx, vals, u_sent)
+            return self._finish_ops(st, idx, t0, sorted_=True)
+        payload, vals, u_sent = kernels.finish(self, st, plan, idx)
+        count = B.numel(idx)
+        self._count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
+                    time.perf_counter() - t0, density)
+        return "sparse", payload, SparseContext(st.name, st.numel, idx, vals, u_sent)
+
+    def _plan(self, st, g):
+        """The tensor's kernels.Plan, or False when the fused path does not apply to it."""
+        B = self.B
+        plan = False
+        if (self.use_kernels and kernels.available() and B.kernel_fma() is not None
+                and B.kernel_ptr(st.v) is not None and B.kernel_ptr(g) is not None
+                and (st.u is None or B.kernel_ptr(st.u) is not None)):
+            plan = kernels.Plan(B, st, self.config, B.kernel_fma(), self.density)
+        st.plan = plan
+        return plan
+
+    def _finish_ops(self, st, idx, t0, sorted_=False):
+        """Gather, clear and encode the selected positions idx with tensor ops."""
+        B, c = self.B, self.config
+        if c.wire_index == "delta16" and not sorted_:
+            idx = B.sort(idx)
+        vals = B.take(st.v, idx)
+        u_sent = B.take(st.u, idx) if (c.momentum_masking and st.u is not None) else None
+        clear_sent(B, st.u, st.v, idx, c.momentum_masking)
+        sent = vals
+        if c.wire_values == "float16":
+            # what the receivers will see; the rounding (and clipping at the fp16 range)
+            # error stays in the residual: error feedback for the quantization too
+            sent = B.to_fp16_and_back(B.clamp(vals, -_FP16_MAX, _FP16_MAX))
+            B.scatter_(st.v, idx, vals - sent)
+        payload = self._encode(st.numel, idx, sent)
+        count = B.numel(idx)
+        self._count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
+                    time.perf_counter() - t0)
+        return "sparse", payload, SparseContext(st.name, st.numel, idx, vals, u_sent)
 
     def _encode(self, numel, idx, vals, flags=0):
         return wire.encode(self.B, numel, idx, vals, flags, self.config.wire_index,

@@ -13,12 +13,17 @@ class TorchBackend(Backend):
 
     def __init__(self):
         self._buffers = {}      # (device, dtype, slot) -> scratch tensor, grown on demand
+        self._fma = _UNKNOWN    # kernel_fma(), probed on first use
 
     def numel(self, x): return x.numel()
     def zeros(self, n, like): return torch.zeros(n, dtype=torch.float32, device=like.device)
     def empty_indices(self, like): return torch.empty(0, dtype=torch.int64, device=like.device)
     def float32_flat(self, x): return x.detach().reshape(-1).to(torch.float32, copy=True)
-    def float32_view(self, x): return x.detach().reshape(-1).to(torch.float32)
+    def float32_view(self, x):
+        x = x.detach()
+        if x.dim() != 1:
+            x = x.reshape(-1)
+        return x if x.dtype is torch.float32 else x.to(torch.float32)
 
     def scale_add_(self, x, a, y, b):
         if b == 1.0:
@@ -119,3 +124,30 @@ class TorchBackend(Backend):
     def state_copy(self, x): return x.detach().clone()
     def generator_state(self, generator): return generator.get_state()     # a new ByteTensor
     def set_generator_state(self, generator, state): generator.set_state(state.cpu())
+
+    # --- fused CPU kernels (dgc_horovod.core.kernels)
+    _DTYPES = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32}
+
+    def kernel_ptr(self, x):
+        return x.data_ptr() if x.is_cpu and x.is_contiguous() else None
+
+    def kernel_fma(self):
+        # whether torch's CPU add-with-alpha rounds once (vectorised fmadd, e.g. AVX2/AVX-512
+        # builds) or twice: probed once, against the kernel itself
+        if self._fma is _UNKNOWN:
+            from dgc_horovod.core import kernels
+            gen = torch.Generator().manual_seed(1234)
+            self._fma = kernels.calibrate(self, torch.randn(4099, generator=gen),
+                                          torch.randn(4099, generator=gen))
+        return self._fma
+
+    def sample_positions(self, n, s, generator):
+        return torch.randint(n, (s,), generator=generator)      # the positions sample() draws
+
+    def empty(self, n, dtype, like): return torch.empty(n, dtype=self._DTYPES[dtype],
+                                                        device=like.device)
+    def copy(self, x): return x.clone()
+    def kernel_threads(self): return torch.get_num_threads()    # torch's intra-op threads
+
+
+_UNKNOWN = object()

@@ -1,0 +1,212 @@
+"""The fused CPU path of DGC's compress step: one C kernel call instead of ~40 tensor ops.
+
+:class:`dgc_horovod.core.compressor.DGCCore` calls :func:`compress_sparse` for a sparsified
+tensor when the compiled extension ``dgc_horovod.core._kernels`` (``_kernels.c``, built by
+``pip install``) is present and the backend hands out raw pointers for the tensors
+(:meth:`Backend.kernel_ptr`: CPU, contiguous; the state and the float32 view of the gradient
+always are on CPU). Otherwise — CUDA tensors, TensorFlow, extension not built, or
+``DGC_KERNELS=0`` in the environment — the tensor-op path of :mod:`accumulate` and
+:mod:`sparsify` runs. Both paths give bit-identical state, selections and payloads for the same
+inputs and seed: the kernel repeats the backend's float32 arithmetic (with or without fused
+multiply-add, as :func:`calibrate` finds the backend doing), draws the same sample positions from
+the same generator, and leaves the order-dependent steps (top-k among more than k candidates)
+to the backend's own top-k.
+
+Per step and tensor of n elements the kernel reads g once to check that it is finite (a NaN/Inf
+gradient never enters u or v), then in one pass updates u and v (momentum correction, §3.1) and
+records the largest |v| of every 64-element block; the sampled threshold (§5) is the ks-th
+largest |v| over the s sampled positions; only blocks whose maximum reaches it are read again for
+the candidates. Encoding (delta16 or int32 indices, float32 values), the gather of the sent
+values and the clearing of the sent positions (momentum factor masking, §3.2) are a second call.
+"""
+import math
+import os
+
+from dgc_horovod.core import wire
+from dgc_horovod.core.accumulate import add_weight_decay, clip_by_local_norm
+from dgc_horovod.core.sparsify import MIN_SAMPLES, SAMPLE_OVERSHOOT, select_topk
+
+try:
+    from dgc_horovod.core import _kernels
+except ImportError:          # not built (e.g. a source tree without a C compiler)
+    _kernels = None
+
+__all__ = ["available", "calibrate", "Plan", "all_finite", "accumulate_select", "finish"]
+
+#: Set ``DGC_KERNELS=0`` to force the tensor-op path everywhere (read at import).
+ENABLED = os.environ.get("DGC_KERNELS", "1").strip() not in ("0", "false", "False", "no")
+
+
+def available():
+    """True when the compiled kernels are importable and not disabled by ``DGC_KERNELS=0``."""
+    return _kernels is not None and ENABLED
+
+
+def calibrate(B, u, g):
+    """Which float32 arithmetic the backend's momentum-correction ops use.
+
+    Runs the backend's ops (:func:`accumulate.momentum_correction` equivalents: unit and
+    non-unit scale, classic and Nesterov) and the kernel, with and without fused multiply-add, on
+    copies of the probe tensors ``u`` and ``g`` (flat float32, a few thousand random values), and
+    compares them bit for bit.
+
+    Returns:
+        True (the backend rounds a·b + c once), False (twice, as NumPy), or None (neither
+        matches, or the kernel is unavailable: the kernel must not be used with this backend).
+    """
+    if not available() or B.kernel_ptr(u) is None or B.kernel_ptr(g) is None:
+        return None
+    from dgc_horovod.core.accumulate import momentum_correction
+    n = B.numel(u)
+    expected = []
+    for nesterov, scale in ((False, 1.0), (False, 0.75), (True, 1.0), (True, 0.75)):
+        uu, vv = B.state_copy(u), B.state_copy(g)
+        momentum_correction(B, uu, vv, g, 0.9, nesterov, scale)
+        vv0 = B.state_copy(g)
+        momentum_correction(B, None, vv0, u, 0.0, False, scale)
+        expected.append((nesterov, scale, B.to_list(B.float32_bits(uu)),
+                         B.to_list(B.float32_bits(vv)), B.to_list(B.float32_bits(vv0))))
+    for fma in (True, False):
+        ok = True
+        for nesterov, scale, eu, ev, ev0 in expected:
+            uu, vv, vv0 = B.state_copy(u), B.state_copy(g), B.state_copy(g)
+            _kernels.step(B.kernel_ptr(g), B.kernel_ptr(uu), B.kernel_ptr(vv), n,
+                          2 if nesterov else 1, fma, 0.9, scale, 0, 0, 0, 0, 0, 0)
+            _kernels.step(B.kernel_ptr(u), 0, B.kernel_ptr(vv0), n, 0, fma, 0.0, scale,
+                          0, 0, 0, 0, 0, 0)
+            if (B.to_list(B.float32_bits(uu)) != eu or B.to_list(B.float32_bits(vv)) != ev
+                    or B.to_list(B.float32_bits(vv0)) != ev0):
+                ok = False
+                break
+        if ok:
+            return fma
+    return None
+
+
+class Plan:
+    """What one sparsified tensor's fused compress reuses from step to step.
+
+    Attributes: fma (bool, from :func:`calibrate`), mode (0: momentum 0, 1: classic,
+    2: Nesterov), density (float, the density k was computed for), k (int), s (samples),
+    ks (rank of the threshold among the samples), cap (candidate buffer size), cidx / cmag
+    (int64 / float32 candidate buffers of cap entries), pointers of u, v and the buffers.
+    """
+
+    __slots__ = ("fma", "mode", "density", "k", "s", "ks", "sampled", "cap", "cidx", "cmag",
+                 "u", "v", "up", "vp", "cidx_p", "cmag_p", "max_tokens")
+
+    def __init__(self, B, st, config, fma, density):
+        self.fma = fma
+        self.mode = 0 if config.momentum == 0.0 else (2 if config.nesterov else 1)
+        self.u, self.v = st.u, st.v
+        self.up = 0 if st.u is None else B.kernel_ptr(st.u)
+        self.vp = B.kernel_ptr(st.v)
+        n = st.numel
+        self.max_tokens = n // wire._ESCAPE + 1     # escape tokens of a delta16 payload, at most
+        self.cidx = self.cmag = None
+        self.set_density(B, n, config, density)
+
+    def set_density(self, B, n, config, density):
+        from dgc_horovod.core.sparsify import k_for
+        self.density = density
+        k = self.k = k_for(n, density)
+        self.sampled = not (config.exact_topk or k * 2 >= n)
+        if not self.sampled:
+            self.s = self.ks = self.cap = 0
+            return
+        s = self.s = min(n, max(MIN_SAMPLES, math.ceil(config.sample_ratio * n)))
+        self.ks = min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
+        # about ks·n/s candidates are expected; more than 2x that is rare and only costs a rescan
+        cap = min(n, 2 * math.ceil(self.ks * n / s) + 2 * k + 64)
+        if self.cidx is None or B.numel(self.cidx) < cap:
+            self.cidx = B.empty(cap, "int64", like=self.v)
+            self.cmag = B.empty(cap, "float32", like=self.v)
+            self.cidx_p, self.cmag_p = B.kernel_ptr(self.cidx), B.kernel_ptr(self.cmag)
+        self.cap = B.numel(self.cidx)
+
+
+def all_finite(n, gp, threads=1):
+    """True if the float32 tensor of n elements at address gp has no NaN or Inf (exact).
+
+    Large tensors are split over up to ``threads`` threads (one per 2**19 elements)."""
+    return _kernels.all_finite(gp, n, threads)
+
+
+def accumulate_select(core, st, plan, g, gp, world_size, param, threads=1):
+    """Accumulate a finite gradient into st.u / st.v and select what to send (fused path).
+
+    The kernel twin of clip → weight decay → :func:`accumulate.momentum_correction` →
+    :func:`sparsify.select_topk` in :meth:`DGCCore.compress` (which has checked that g is finite
+    and that the kernels apply to this tensor). Args: core (DGCCore), st (TensorState), plan
+    (Plan), g (flat float32 gradient, read only) and gp (its pointer), world_size (int), param
+    (the parameter, for weight decay), threads (int, for the kernel). Returns the int64 index
+    tensor of the positions to send (unique, a new tensor that the caller may sort in place;
+    unordered, or ascending for delta16).
+
+    With the delta16 wire format the payload lists the positions in ascending order whatever
+    order the selection produced, so the kernel itself takes the top-k among the candidates
+    when that set is unique (no tie at the k-th largest magnitude); otherwise, and always for
+    int32 indices (whose payload keeps the selection's order), the backend's top-k does.
+    """
+    B, c = core.B, core.config
+    n = st.numel
+    scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
+    if c.weight_decay:
+        g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
+        gp = B.kernel_ptr(g)
+        scale = 1.0
+    if not plan.sampled:
+        _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum, scale,
+                      0, 0, 0, 0, 0, 0, threads)
+        return select_topk(B, st.v, plan.k, c.sample_ratio, True, core._generator)
+    pos = B.sample_positions(n, plan.s, core._generator)
+    k = plan.k
+    out = B.empty(k, "int64", like=st.v) if c.wire_index == "delta16" else None
+    thr, cnt, nsel = _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum,
+                                   scale, B.kernel_ptr(pos), plan.s, plan.ks, plan.cidx_p,
+                                   plan.cmag_p, plan.cap, threads, k,
+                                   0 if out is None else B.kernel_ptr(out))
+    if nsel >= 0:                                      # the kernel selected (ascending)
+        return out if nsel == k else B.slice(out, 0, nsel)
+    if cnt > plan.cap:                                 # too many to keep: find them again
+        mag = B.abs(st.v)
+        idx = B.indices_where_ge(mag, thr)
+        cand_mag = B.take(mag, idx)
+    else:
+        idx, cand_mag = B.slice(plan.cidx, 0, cnt), B.slice(plan.cmag, 0, cnt)
+    if cnt > k:                                        # exact top-k among the candidates
+        sel = B.topk_indices(cand_mag, k)
+        idx, mags = B.take(idx, sel), B.take(cand_mag, sel)
+    elif 2 * cnt < k:                                  # too few: exact top-k over v
+        mag = B.abs(st.v)
+        idx = B.topk_indices(mag, k)
+        mags, thr = B.take(mag, idx), 0.0
+    else:
+        idx, mags = B.copy(idx), cand_mag
+    if thr <= 0.0:                                     # zeros may be among them: never sent
+        idx = B.drop_zeros(idx, mags)
+    return idx
+
+
+def finish(core, st, plan, idx):
+    """Gather, clear and encode the sent positions idx (float32 values only; fused path).
+
+    The kernel twin of sort (delta16) → take v, u → :func:`accumulate.clear_sent` →
+    :func:`wire.encode` in :meth:`DGCCore.compress`; idx (int64, from
+    :func:`accumulate_select`) is sorted in place for delta16.
+    Returns (payload, vals, u_sent): the flat int32 payload, the float32 values sent, and the
+    velocity at the sent positions before momentum factor masking (None without masking).
+    """
+    B, c = core.B, core.config
+    count = B.numel(idx)
+    masking = c.momentum_masking and st.u is not None
+    vals = B.empty(count, "float32", like=st.v)
+    u_sent = B.empty(count, "float32", like=st.v) if masking else None
+    delta = c.wire_index == "delta16"
+    cap_words = (wire.HEADER_WORDS + count
+                 + ((count + plan.max_tokens + 1) // 2 if delta else count))
+    payload = B.empty(cap_words, "int32", like=st.v)
+    words = _kernels.finish(B.kernel_ptr(idx), count, plan.vp, plan.up, masking, delta,
+                            B.kernel_ptr(vals), 0 if u_sent is None else B.kernel_ptr(u_sent),
+                            B.kernel_ptr(payload), cap_words, st.numel, 0)
+    return B.slice(payload, 0, words), vals, u_sent

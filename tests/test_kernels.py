@@ -1,0 +1,259 @@
+"""The fused CPU kernels (`dgc_horovod.core.kernels`, `_kernels.c`) against the tensor-op path.
+
+Both paths of `DGCCore.compress` must give bit-identical payloads, selections, sent values, state
+(u, v) and generator state for the same inputs and seed, on the NumPy and the PyTorch backend,
+for every setting that changes the arithmetic or the selection. The kernel's momentum correction
+is also checked bit for bit against a NumPy transcription of the paper's equations (§3.1).
+"""
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, kernels, wire
+from dgc_horovod.torch.backend import TorchBackend
+
+F32 = np.float32
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = {"numpy": NumpyBackend, "torch": TorchBackend}
+needs_kernels = pytest.mark.skipif(not kernels.ENABLED, reason="DGC_KERNELS=0 in the environment")
+
+
+def to_np(x):
+    return x.detach().numpy().copy() if isinstance(x, torch.Tensor) else np.array(x, copy=True)
+
+
+def to_backend(name, a):
+    a = np.array(a, dtype=F32, copy=True)
+    return torch.from_numpy(a) if name == "torch" else a
+
+
+def gradient(rng, kind, n):
+    if kind == "gaussian":
+        g = rng.standard_normal(n)
+    elif kind == "ties":                             # few distinct magnitudes, many exact ties
+        g = rng.integers(-3, 4, n).astype(float)
+    elif kind == "sparse":                           # 99.8% zeros: the threshold is often 0
+        g = rng.standard_normal(n) * (rng.random(n) < 0.002)
+    elif kind == "cauchy":
+        g = rng.standard_cauchy(n)
+    elif kind == "zero":
+        g = np.zeros(n)
+    else:                                            # the two ends carry the largest entries
+        g = rng.standard_normal(n) * 1e-3
+        g[0], g[-1] = 50.0, -60.0
+    return g.astype(F32)
+
+
+def bits(x):
+    return None if x is None else to_np(x).view(np.int32)
+
+
+def assert_same(a, b, what):
+    assert (a is None) == (b is None), what
+    if a is not None:
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), what
+
+
+# ----------------------------------------------------------------- the extension itself
+def test_extension_is_built_and_calibrated():
+    # `pip install -e .` (scripts/install.sh) builds it; without it the fused path silently
+    # never runs, so a missing build must fail here
+    assert kernels._kernels is not None, "dgc_horovod.core._kernels is not built (pip install -e .)"
+    assert NumpyBackend().kernel_fma() is False           # NumPy rounds m*u and + g separately
+    assert TorchBackend().kernel_fma() in (True, False)   # torch: fused multiply-add on AVX2/512
+    if kernels.ENABLED:
+        assert DGCCore(DGCConfig(), TorchBackend()).use_kernels
+
+
+def test_environment_switch_disables_kernels():
+    code = ("from dgc_horovod.core import DGCCore, DGCConfig, NumpyBackend, kernels;"
+            "print(kernels.available(), DGCCore(DGCConfig(), NumpyBackend()).use_kernels)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, DGC_KERNELS="0", PYTHONPATH=ROOT), check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("values", [
+    [1.0, 2.0, 3.0], [3.0e38, 3.0e38, -3.0e38],           # finite (even if their sum overflows)
+    [np.nan], [1.0] * 1000 + [np.inf], [-np.inf] + [0.0] * 999, [0.0] * 64 + [np.nan] + [1.0] * 7])
+def test_all_finite_is_exact(values):
+    a = np.array(values, dtype=F32)
+    assert kernels.all_finite(a.size, a.ctypes.data) == bool(np.isfinite(a).all())
+
+
+# ----------------------------------------------------------------- kernel vs NumPy transcription
+@needs_kernels
+@pytest.mark.parametrize("m,nesterov,scale", [(0.0, False, 1.0), (0.0, False, 0.3),
+                                              (0.9, False, 1.0), (0.9, False, 0.3),
+                                              (0.9, True, 1.0), (0.5, True, 0.3)])
+def test_kernel_momentum_correction_matches_paper_in_numpy(m, nesterov, scale):
+    # §3.1, eq. 5–6 with the clipping scale s, in float32 with NumPy's two roundings:
+    #   u ← m·u + s·g ;  v ← v + u  (classic)  or  v ← v + s·g + m·u  (Nesterov);  m = 0: v ← v + s·g
+    rng = np.random.default_rng(3)
+    n = 10_007
+    g, u, v = (rng.standard_normal(n).astype(F32) for _ in range(3))
+    sg = g if scale == 1.0 else F32(scale) * g
+    if m == 0.0:
+        u_ref, v_ref = u, v + sg
+    else:
+        u_ref = F32(m) * u + sg
+        v_ref = (v + sg) + F32(m) * u_ref if nesterov else v + u_ref
+    uk, vk = u.copy(), v.copy()
+    mode = 0 if m == 0.0 else (2 if nesterov else 1)
+    kernels._kernels.step(g.ctypes.data, uk.ctypes.data if mode else 0, vk.ctypes.data, n, mode,
+                          False, m, scale, 0, 0, 0, 0, 0, 0)
+    assert np.array_equal(uk.view(np.int32), u_ref.view(np.int32))
+    assert np.array_equal(vk.view(np.int32), v_ref.view(np.int32))
+
+
+@needs_kernels
+def test_kernel_threshold_and_candidates_match_numpy():
+    # the sampled threshold is the ks-th largest |v| over the sampled positions; the candidates
+    # are every position with |v| >= threshold, ascending, with their magnitudes
+    rng = np.random.default_rng(4)
+    for n, s, ks in [(1000, 64, 3), (100_000, 1000, 13), (70_001, 700, 700), (5000, 64, 1)]:
+        g = rng.standard_cauchy(n).astype(F32)
+        g[rng.random(n) < 0.3] = 0.0
+        u, v = np.zeros(n, F32), np.zeros(n, F32)
+        pos = rng.integers(0, n, size=s)
+        cap = n
+        cidx, cmag = np.empty(cap, np.int64), np.empty(cap, F32)
+        thr, cnt, _ = kernels._kernels.step(g.ctypes.data, u.ctypes.data, v.ctypes.data, n, 1,
+                                         False, 0.9, 1.0, pos.ctypes.data, s, ks,
+                                         cidx.ctypes.data, cmag.ctypes.data, cap)
+        expected_thr = np.sort(np.abs(g[pos]))[::-1][ks - 1]
+        assert thr == expected_thr
+        expected = np.flatnonzero(np.abs(g) >= expected_thr)
+        assert cnt == expected.size
+        assert np.array_equal(cidx[:cnt], expected) and np.array_equal(cmag[:cnt], np.abs(g[expected]))
+
+
+@needs_kernels
+def test_kernel_rejects_positions_out_of_range():
+    n = 100
+    g, u, v = np.ones(n, F32), np.zeros(n, F32), np.zeros(n, F32)
+    pos = np.array([5, 100], dtype=np.int64)
+    buf = np.empty(n, np.int64)
+    with pytest.raises(ValueError, match="out of range"):
+        kernels._kernels.step(g.ctypes.data, u.ctypes.data, v.ctypes.data, n, 1, False, 0.9, 1.0,
+                              pos.ctypes.data, 2, 1, buf.ctypes.data, buf.ctypes.data, n)
+
+
+# ----------------------------------------------------------------- fused vs tensor-op path
+CONFIGS = [
+    dict(),                                                             # the defaults
+    dict(wire_index="int32"),
+    dict(wire_values="float16"),
+    dict(wire_index="int32", wire_values="float16", momentum_masking=False),
+    dict(momentum=0.0, momentum_masking=False),
+    dict(nesterov=True, clip_norm=0.5),
+    dict(weight_decay=1e-2, momentum_masking=False),
+    dict(exact_topk=True, nesterov=True),
+    dict(compress_ratio=0.01, sample_ratio=0.1, warmup_epochs=2, warmup_per_step=True),
+]
+SIZES = [1, 2, 3, 64, 1000, 4099, 70_000, 300_000]
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+                         or "defaults")
+def test_fused_path_is_bit_identical_to_tensor_ops(backend, cfg):
+    rng = np.random.default_rng(11)
+    cores = [DGCCore(DGCConfig(**dict(dict(min_sparse_numel=1, warmup_epochs=0), **cfg)),
+                     BACKENDS[backend]()) for _ in range(2)]
+    cores[1].use_kernels = False
+    assert cores[0].use_kernels
+    kinds = ["gaussian", "ties", "sparse", "cauchy", "zero", "ends"]
+    for step in range(5):
+        cores[0].set_epoch(step * 0.5)
+        cores[1].set_epoch(step * 0.5)
+        for i, n in enumerate(SIZES):
+            name = f"t{i}"
+            g = gradient(rng, kinds[(i + step) % len(kinds)], n)
+            if step == 3 and i % 3 == 0:
+                g[rng.integers(n)] = np.nan if i % 2 else np.inf     # a skipped (non-finite) step
+            p = rng.standard_normal(n).astype(F32)
+            outs = [core.compress(name, to_backend(backend, g), 4, param=to_backend(backend, p))
+                    for core in cores]
+            what = f"step {step}, tensor {name} ({n} elements)"
+            assert outs[0][0] == outs[1][0] == "sparse", what
+            assert_same(bits(outs[0][1]), bits(outs[1][1]), what + ": payload")
+            c0, c1 = outs[0][2], outs[1][2]
+            for attr in ("indices", "values", "u_sent"):
+                a, b = getattr(c0, attr), getattr(c1, attr)
+                assert_same(None if a is None else to_np(a), None if b is None else to_np(b),
+                            f"{what}: {attr}")
+            for attr in ("u", "v"):
+                assert_same(bits(getattr(cores[0].states[name], attr)),
+                            bits(getattr(cores[1].states[name], attr)), f"{what}: state {attr}")
+            # the payload is a valid DGC v2 payload that the receivers decode
+            dense, nonfinite = wire.decode_sum(cores[0].B, outs[0][1], n, 1, name)
+            assert nonfinite == (not np.isfinite(g).all())
+    assert all(cores[0].states[f"t{i}"].plan for i in range(len(SIZES)))   # fused path ran
+    assert not any(cores[1].states[f"t{i}"].plan for i in range(len(SIZES)))
+    B = cores[0].B
+    s0, s1 = (B.generator_state(c._generator) for c in cores)
+    assert (s0 == s1) if isinstance(s0, dict) else torch.equal(s0, s1)
+    for attr in ("tensors", "selected", "wire_bytes", "nonfinite_tensors", "elements"):
+        assert getattr(cores[0].total_stats, attr) == getattr(cores[1].total_stats, attr), attr
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_fused_path_big_gaps_and_both_ends(backend):
+    # k = 3 of 300,000: positions 0 and n-1 are sent, the gap between them needs escape tokens
+    n = 300_000
+    core = DGCCore(DGCConfig(compress_ratio=1e-5, warmup_epochs=0), BACKENDS[backend]())
+    g = np.zeros(n, F32)
+    g[[0, 150_000, n - 1]] = [3.0, -2.0, 1.0]
+    kind, payload, ctx = core.compress("w", to_backend(backend, g), 1)
+    words = to_np(payload)
+    assert words[2] == 3 and words[4] == 3 + 2 + 2      # 3 entries, 2 escapes per 150k gap
+    assert sorted(to_np(ctx.indices).tolist()) == [0, 150_000, n - 1]
+    dense, _ = wire.decode_sum(core.B, payload, n, 1, "w")
+    assert np.array_equal(to_np(dense), g)
+    assert not to_np(core.states["w"].v).any()                  # everything sent was cleared
+
+
+@needs_kernels
+def test_which_tensors_take_the_fused_path():
+    # float64 gradients go through their float32 copy: fused; use_kernels=False and CUDA
+    # tensors (no host pointer): tensor ops; TensorFlow has no kernel hooks at all
+    B = TorchBackend()
+    core = DGCCore(DGCConfig(warmup_epochs=0), B)
+    core.compress("w", torch.randn(5000, dtype=torch.float64), 1)
+    assert core.states["w"].plan
+    core = DGCCore(DGCConfig(warmup_epochs=0), B)
+    core.use_kernels = False
+    core.compress("w", torch.randn(5000), 1)
+    assert core.states["w"].plan is None
+    if torch.cuda.is_available():
+        core = DGCCore(DGCConfig(warmup_epochs=0), B)
+        core.compress("w", torch.randn(5000, device="cuda"), 1)
+        assert core.states["w"].plan is False
+    from dgc_horovod.tensorflow.backend import TFBackend
+    assert not DGCCore(DGCConfig(), TFBackend()).use_kernels
+
+
+@needs_kernels
+def test_replaced_state_tensors_get_a_new_plan():
+    # the plan caches raw pointers of u and v: replacing them (e.g. a reset) must not leave the
+    # kernel writing into the old buffers
+    core = DGCCore(DGCConfig(warmup_epochs=0, compress_ratio=0.01), TorchBackend())
+    core.compress("w", torch.randn(5000), 1)
+    st = core.states["w"]
+    old_v = st.v
+    st.u, st.v = torch.zeros(5000), torch.zeros(5000)
+    g = torch.zeros(5000)
+    g[7] = 3.0
+    _, payload, ctx = core.compress("w", g, 1)
+    assert st.plan.v is st.v and ctx.indices.tolist() == [7]
+    assert float(st.v.abs().sum()) == 0.0 and float(st.u[7]) == 0.0   # sent, cleared, masked
+    assert float(old_v.abs().sum()) > 0                                 # untouched
