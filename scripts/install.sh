@@ -3,7 +3,8 @@
 # Docker images run this script. It is idempotent: each step checks a stamp and is skipped when
 # nothing changed, so a second run costs seconds.
 #
-#   1. system packages: OpenMPI (openmpi-bin, libopenmpi-dev), cmake, g++, patch (apt-get);
+#   1. system packages: OpenMPI (openmpi-bin, libopenmpi-dev), cmake, g++, patch, and for the
+#      two-host test bed iproute2 and openssh-server (apt-get);
 #   2. a virtual environment ($DGC_VENV, default .venv at the repository root);
 #   3. the Python requirements (requirements.txt, then tf-keras with --no-deps);
 #   4. Horovod 0.28.1 with PyTorch + TensorFlow + Gloo + MPI: the PyPI sdist, patched with
@@ -47,6 +48,9 @@ command -v mpicxx >/dev/null 2>&1 || missing+=(libopenmpi-dev)
 command -v cmake >/dev/null 2>&1 || missing+=(cmake)
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
 command -v patch >/dev/null 2>&1 || missing+=(patch)
+# the two-host test bed (scripts/cluster/): network namespaces + tc (iproute2), sshd in each
+command -v tc >/dev/null 2>&1 || missing+=(iproute2)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)
 if [ ${#missing[@]} -gt 0 ]; then
     log "installing system packages: ${missing[*]}"
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -1,0 +1,192 @@
+"""The two-host test bed (scripts/cluster/): set-up, tear-down, and real jobs over ssh across it.
+
+Two network namespaces joined by a tc-shaped veth pair, an sshd in each, and `horovodrun -np 2
+-H hostA:1,hostB:1` started from hostA over ssh with Gloo and with MPI. The tests use their own
+instance (DGC_CLUSTER_NAME=dgctest, subnet 10.78.0), so they neither see nor disturb a test bed
+brought up with `make cluster-up`. They need root, `ip netns`, tc and sshd (scripts/install.sh
+installs iproute2 and openssh-server); without them they skip and say which is missing.
+"""
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import BIN, ROOT
+
+SCRIPTS = os.path.join(ROOT, "scripts", "cluster")
+NAME = "dgctest"
+ENV = dict(os.environ, DGC_CLUSTER_NAME=NAME, DGC_CLUSTER_SUBNET="10.78.0",
+           PATH=BIN + os.pathsep + os.environ.get("PATH", ""), PYTHONPATH=ROOT,
+           TF_CPP_MIN_LOG_LEVEL="3")
+STATE = f"/run/{NAME}-cluster"
+NS = (f"{NAME}-hostA", f"{NAME}-hostB")
+
+
+def _prerequisite_missing():
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc, sshd)"
+    for tool in ("ip", "tc", "unshare", "ssh", "ssh-keygen"):
+        if not shutil.which(tool):
+            return f"{tool} not found on PATH"
+    if not os.access("/usr/sbin/sshd", os.X_OK):
+        return "/usr/sbin/sshd missing: install openssh-server (scripts/install.sh does)"
+    probe = subprocess.run(["ip", "netns", "add", f"{NAME}-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"`ip netns add` is not allowed here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", f"{NAME}-probe"], capture_output=True)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_prerequisite_missing() is not None,
+                                reason=str(_prerequisite_missing()))
+
+
+def sh(script, *args, env=None, timeout=120, check=True):
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, script), *args], cwd=ROOT,
+                          env=dict(ENV, **(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{script} {' '.join(args)} exited {proc.returncode}:\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def ip(*args):
+    return subprocess.run(["ip", *args], capture_output=True, text=True).stdout
+
+
+def counter(ns, dev, kind):
+    out = subprocess.run(["ip", "netns", "exec", ns, "cat",
+                          f"/sys/class/net/{dev}/statistics/{kind}"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out)
+
+
+def leftovers():
+    """Everything of this test bed's instance that still exists (empty list: nothing)."""
+    found = [f"namespace {n}" for n in ip("netns", "list").split() if n.startswith(NAME)]
+    found += [f"root-namespace link {line.split(':')[1].strip()}"
+              for line in ip("-o", "link", "show").splitlines() if f"{NAME}-" in line]
+    found += [f"/etc/netns entry {p}" for p in glob.glob(f"/etc/netns/{NAME}-*")]
+    if os.path.exists(STATE):
+        found.append(f"state directory {STATE}")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if STATE in cmd:
+            found.append(f"process {pid}: {cmd.strip()}")
+    return found
+
+
+def test_up_twice_down_twice_leaves_nothing():
+    assert not leftovers(), f"left over from an earlier run: {leftovers()}"
+    try:
+        sh("up.sh", env={"RATE": "100mbit"})
+        sh("up.sh", env={"RATE": "100mbit"})                          # idempotent
+        # both hosts exist, each with its address on dgc0, the link shaped in both directions
+        for ns, addr in zip(NS, ("10.78.0.1/24", "10.78.0.2/24")):
+            assert addr in ip("-n", ns, "addr", "show", "dev", "dgc0")
+            assert "rate 100Mbit ceil 100Mbit" in subprocess.run(
+                ["tc", "-n", ns, "class", "show", "dev", "dgc0"], capture_output=True,
+                text=True).stdout
+            pids = ip("netns", "pids", ns).split()
+            assert len(pids) == 1, f"expected one sshd in {ns}, found {pids}"
+            assert os.readlink(f"/proc/{pids[0]}/exe") == "/usr/sbin/sshd"
+        # hostA logs in to hostB by name with the test bed's key; hostB has its own host name
+        out = subprocess.run(["ip", "netns", "exec", NS[0], "ssh", "hostB", "hostname"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and out.stdout.strip() == "hostB", out.stderr
+        # nothing of it is visible outside: no root-namespace links, /etc/hosts untouched
+        assert "hostB" not in open("/etc/hosts").read()
+        assert not [line for line in ip("-o", "link", "show").splitlines() if f"{NAME}-" in line]
+        # a job left running inside a namespace is killed by down.sh too
+        job = subprocess.Popen(["ip", "netns", "exec", NS[1], "sleep", "300"])
+        for _ in range(50):                                           # wait until it is inside
+            if str(job.pid) in ip("netns", "pids", NS[1]).split():
+                break
+            time.sleep(0.1)
+    finally:
+        sh("down.sh")
+    assert job.wait(timeout=10) == -signal.SIGTERM, "down.sh did not stop the job in hostB"
+    sh("down.sh")                                                     # idempotent
+    assert leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def bed():
+    assert not leftovers(), f"left over from an earlier run: {leftovers()}"
+    sh("up.sh", env={"RATE": "1gbit"})
+    yield
+    sh("down.sh")
+    assert leftovers() == []
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+def test_job_over_ssh_goes_over_the_veth(bed, launcher, tmp_path):
+    out = tmp_path / "result.json"
+    before = {(ns, dev, k): counter(ns, dev, k) for ns in NS for dev in ("dgc0", "lo")
+              for k in ("tx_bytes", "rx_bytes")}
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), f"--{launcher}", sys.executable,
+                           "tests/workers/cluster_worker.py", "--out", str(out)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    delta = {k: counter(*k) - v for k, v in before.items()}
+    r = json.loads(out.read_text())
+    assert r["hosts"] == ["hostA", "hostB"] and r["size"] == 2
+    assert r["allreduce_ok"] and r["dgc_identical"]
+    assert r["dgc_steps"] == 5 and 0 < r["dgc_wire_bytes"] < r["dgc_dense_bytes"] / 20
+    if launcher == "gloo":
+        assert r["gloo_iface"] == "dgc0"
+    # the 16 MiB allreduce crossed the veth in both directions (ring allreduce, 2 ranks: each rank
+    # sends the whole tensor once, half in reduce-scatter and half in allgather) ...
+    mib16 = 16 * 2 ** 20
+    for ns in NS:
+        assert delta[(ns, "dgc0", "tx_bytes")] >= mib16, delta
+        assert delta[(ns, "dgc0", "rx_bytes")] >= mib16, delta
+    # ... and not over either host's loopback (hostA's rank is launched locally, hostB's over ssh)
+    for ns in NS:
+        assert delta[(ns, "lo", "tx_bytes")] < 2 * 2 ** 20, delta
+
+
+def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
+    """benchmarks/synthetic_benchmark.py across the hosts: its byte accounting against the veth's
+    own counter (dense: the whole fp32 gradient set per rank per step; DGC: far less)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), "--gloo", sys.executable,
+                           "benchmarks/synthetic_benchmark.py", "--model", "resnet50",
+                           "--compression", "none,dgc", "--warmup-steps", "1", "--steps", "1",
+                           "--bandwidth", "1gbit", "--json-out", str(out)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    r = json.loads(out.read_text())
+    assert r["hosts"] == ["hostA", "hostB"] and r["iface"] == "dgc0"
+    dense, dgc = r["runs"]["none"], r["runs"]["dgc"]
+    assert dense["bytes"] == r["dense_bytes"] == 4 * 25_557_032
+    # dense ring allreduce with 2 ranks: each rank sends the whole gradient set once per step;
+    # the veth also carries TCP/IP headers and Horovod's coordination messages
+    assert 1.0 <= dense["iface_tx_bytes"] / dense["bytes"] < 1.1, dense
+    # DGC at density 0.001: the compressor's count, and the link carries well under 1/10 of dense
+    # (the rest of what it carries is mostly Horovod's coordination, ~0.4 MB/s while it waits)
+    assert 0.0005 < dgc["density"] <= 0.001
+    assert dgc["bytes"] < r["dense_bytes"] / 300
+    assert dgc["iface_tx_bytes"] < r["dense_bytes"] / 10, dgc
+    assert "speedup" in proc.stdout and "ideal" in proc.stdout
+
+
+def test_parse_rate():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from synthetic_benchmark import parse_rate
+    assert parse_rate("1gbit") == 1e9 and parse_rate("100mbit") == 1e8
+    assert parse_rate("2.5gbit") == 2.5e9 and parse_rate("800") == 800
+    for bad in ("fast", "1gbps", "-1gbit", "0mbit"):
+        with pytest.raises(ValueError, match="--bandwidth"):
+            parse_rate(bad)
