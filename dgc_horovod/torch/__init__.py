@@ -36,6 +36,12 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   entries in rank order (bit-identical on every rank) and divides by the world size for
   ``op=hvd.Average``. Tensors below ``min_sparse_numel`` go through Horovod's dense allreduce as
   their momentum-corrected velocity.
+* **Horovod Elastic.** Pass the DGC object to ``hvd.elastic.TorchState(model, optimizer,
+  dgc=dgc, ...)``: :mod:`dgc_horovod.torch.elastic` registers a state handler with Horovod, so
+  ``state.commit()`` saves the compressor state with the model, a HorovodInternalError restores
+  the committed one, and ``sync`` gives every rank rank 0's warm-up epoch and sampling generator.
+  At every reset (Horovod re-initialized: a worker left or joined) every rank drops its velocities
+  and residuals, bucket plans and first-step checks (see :meth:`DGC.on_reset`).
 * **One process.** With ``hvd.size() == 1`` Horovod's optimizer never calls the compressor, so DGC
   does nothing at all; DGC warns when it is created after ``hvd.init()`` in a 1-process job.
 * **Momentum.** DGC applies momentum itself (momentum correction); creating the wrapped optimizer
@@ -44,12 +50,15 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   exchange, outside momentum) or move into ``DGC(weight_decay=...)`` (added before momentum
   correction, as in the paper's implementation).
 """
+import logging
 import sys
+import threading
 import warnings
 import weakref
 
 import horovod.torch as hvd
 import torch
+from horovod.torch import mpi_ops as _mpi_ops
 from horovod.torch.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter
@@ -57,6 +66,8 @@ from dgc_horovod.torch.backend import TorchBackend
 from dgc_horovod.torch.exchange import Exchange
 
 __all__ = ["DGC"]
+
+_log = logging.getLogger(__name__)
 
 _HINT = ("pass it to horovod.torch.DistributedOptimizer(..., compression=DGC(...)); "
          "DGC keeps per-parameter state and must know which parameter a gradient belongs to")
@@ -92,6 +103,24 @@ def _find_parameter(tensor, compressor):
         frame = frame.f_back
     raise RuntimeError("dgc_horovod.torch.DGC was called outside horovod.torch."
                        "DistributedOptimizer; " + _HINT)
+
+
+def _horovod_session():
+    """An object that identifies the current Horovod initialization.
+
+    ``horovod.torch.init()`` (0.28) binds a new ``mpi_ops._handle_map`` dict at every call, and
+    ``hvd.elastic.run`` calls ``shutdown(); init()`` at every reset, so a different object means
+    Horovod was re-initialized. Without that attribute (another Horovod version), the (size, rank)
+    pair stands in for it.
+    """
+    marker = getattr(_mpi_ops, "_handle_map", None)
+    if isinstance(marker, dict):
+        return marker
+    return (hvd.size(), hvd.rank()) if hvd.is_initialized() else None
+
+
+def _same_session(a, b):
+    return a is b if isinstance(a, dict) else a == b
 
 
 def _owns(p, tensor):
@@ -134,10 +163,15 @@ class DGC(DGCAdapter, Compressor):
     (the dropped residual is lost gradient, a small one-off perturbation), e.g. to resume on a
     different number of ranks.
 
+    Horovod Elastic: ``hvd.elastic.TorchState(model=model, optimizer=opt, dgc=dgc, ...)`` commits
+    and restores this object with the model (see :mod:`dgc_horovod.torch.elastic`); at every
+    reset each rank drops its velocities and residuals (:meth:`on_reset`).
+
     Attributes:
         config (DGCConfig): the settings. stats (CompressionStats): the most recent step's
         counters for this rank (elements selected, wire bytes, dense bytes, ratio). total_stats:
-        cumulative counters. density (float): the density in force (warm-up).
+        cumulative counters. density (float): the density in force (warm-up). resets (int): how
+        many times the elastic reset rule was applied on this rank (:meth:`on_reset`).
 
     Raises (from compress, i.e. from ``loss.backward()``):
         TypeError: a non-floating gradient. ValueError: momentum set both here and in the wrapped
@@ -152,6 +186,9 @@ class DGC(DGCAdapter, Compressor):
         self._exchange = Exchange(self._core, self.config.bucket_numel)
         self._checked = set()
         self._optimizer = None          # weak reference to the one optimizer this DGC serves
+        self._session = _horovod_session() if hvd.is_initialized() else None
+        self._session_lock = threading.Lock()
+        self.resets = 0
         if hvd.is_initialized() and hvd.size() == 1:
             warnings.warn("one Horovod process: hvd.DistributedOptimizer registers no gradient "
                           "hooks and never calls the compressor, so DGC (and its momentum "
@@ -167,6 +204,7 @@ class DGC(DGCAdapter, Compressor):
         momentum-corrected velocity for a small tensor.
         """
         opt, p, name = _find_parameter(tensor, self)
+        self._follow_horovod()
         if name not in self._checked:
             self._check(opt, p, name)
         process_set = opt.process_set
@@ -191,6 +229,85 @@ class DGC(DGCAdapter, Compressor):
         gathered, ranks = self._exchange.receive(ctx.handle, ctx.world_size)
         dense = self._core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks)
         return dense.view(ctx.shape).to(ctx.dtype)
+
+    # Horovod Elastic --------------------------------------------------------------------------
+    def on_reset(self):
+        """Apply DGC's elastic reset rule on this rank now (call it on every rank alike).
+
+        The rule: every tensor's velocity u and residual v are dropped (they restart at zero at
+        the next step), and so are the bucket plans, the first-step checks (model consistency
+        across ranks, momentum) and any exchange still pending; the world size N (clipping
+        threshold ``clip_norm * N**-0.5``, averaging) is read again at the next step. Config,
+        warm-up epoch, sampling generator and statistics are kept.
+
+        DGC applies it by itself at the first ``sync`` or step after Horovod was re-initialized
+        (what ``hvd.elastic.run`` does when a worker leaves or joins, or after a
+        HorovodInternalError), so calling it is only needed with a custom elastic State; it can
+        be registered with ``state.register_reset_callbacks([dgc.on_reset])`` (it then runs once
+        per reset, not twice). Residuals are per rank and not broadcast: after a reset every
+        rank, old or new, starts from the same zero state. The dropped residual is gradient that
+        is never applied, a one-off perturbation of the size of a few steps' unsent gradient (see
+        README, Reliability).
+        """
+        with self._session_lock:
+            self._session = _horovod_session()
+            self._reset_locked()
+
+    def _reset_locked(self):
+        core = self._core
+        core.load_state_dict(core.state_dict(), reset_residuals=True)
+        self._exchange = Exchange(core, self.config.bucket_numel)
+        self._checked = set()
+        self.resets += 1
+        _log.info("DGC: elastic reset #%d: velocities and residuals dropped, world size %s",
+                  self.resets, hvd.size() if hvd.is_initialized() else "?")
+
+    def _follow_horovod(self):
+        """Apply :meth:`on_reset` once if Horovod was re-initialized since DGC last ran."""
+        now = _horovod_session()
+        if now is None or _same_session(now, self._session):
+            return
+        with self._session_lock:
+            if self._session is None:
+                self._session = now            # first contact: nothing to reset
+            elif not _same_session(now, self._session):
+                self._session = now
+                self._reset_locked()
+
+    def _elastic_snapshot(self):
+        """A copy of this rank's state for ``hvd.elastic.TorchState.commit`` (between steps)."""
+        if self._exchange.busy():
+            raise RuntimeError("DGC: the elastic state was committed in the middle of a step "
+                               "(an exchange is still pending); call state.commit() between "
+                               "steps, after optimizer.step()")
+        return self._core.state_dict()
+
+    def _elastic_restore(self, snapshot):
+        """Go back to a snapshot of :meth:`_elastic_snapshot` (undoes uncommitted steps)."""
+        self._core.load_state_dict(snapshot)
+        self._exchange = Exchange(self._core, self.config.bucket_numel)
+
+    def _elastic_sync(self):
+        """Collective: apply the reset rule if Horovod was re-initialized, check that every rank
+        has the same config (ValueError on every rank, naming the settings, otherwise) and take
+        rank 0's warm-up epoch and sampling generator."""
+        from horovod.torch.functions import allgather_object, broadcast_object
+        self._follow_horovod()
+        mine = self._core.state_dict()
+        configs = allgather_object(mine["config"], name="dgc.elastic.config")
+        for rank, theirs in enumerate(configs):
+            differ = sorted(k for k in set(theirs) | set(mine["config"])
+                            if theirs.get(k) != mine["config"].get(k))
+            if differ:
+                detail = "; ".join(f"{k}: {mine['config'].get(k)!r} here, {theirs.get(k)!r} on "
+                                   f"rank {rank}" for k in differ)
+                raise ValueError(f"DGC: the ranks' DGC configs differ ({detail}); create DGC "
+                                 "with the same settings on every rank")
+        root = broadcast_object({"epoch": mine["epoch"], "generator": mine["generator"]},
+                                root_rank=0, name="dgc.elastic.sync")
+        if hvd.rank() != 0:
+            mine["epoch"], mine["generator"] = root["epoch"], root["generator"]
+            self._core.load_state_dict(mine)
 
     def _check(self, opt, p, name):
         owner = self._optimizer() if self._optimizer is not None else None
@@ -275,3 +392,7 @@ def log_stats(writer, dgc, step, since=None, prefix="dgc/"):
 
 
 __all__ += ["Compression", "log_stats"]
+
+from dgc_horovod.torch import elastic  # noqa: E402  (registers DGC's TorchState handler)
+
+elastic.register(DGC)

@@ -74,6 +74,11 @@ class Exchange:
         self._core, self._bucket_numel = core, bucket_numel
         self._plans = {}                 # id(optimizer) -> (optimizer, {name: (bucket, member)})
         self._lock = threading.Lock()
+        self._outstanding = 0            # payloads sent whose result was not received yet
+
+    def busy(self):
+        """True between a payload's send and its receive (a step in progress)."""
+        return self._outstanding > 0
 
     def _plan(self, opt):
         entry = self._plans.get(id(opt))
@@ -95,9 +100,13 @@ class Exchange:
     def send(self, opt, name, payload, process_set):
         """Start (or join a bucket for) the allgather of ``payload``; returns a ticket."""
         if self._bucket_numel == 0:
-            return hvd.allgather_async(payload, name="dgc." + name, process_set=process_set)
+            handle = hvd.allgather_async(payload, name="dgc." + name, process_set=process_set)
+            with self._lock:
+                self._outstanding += 1
+            return handle
         bucket, member = self._plan(opt)[name]
         with self._lock:
+            self._outstanding += 1
             launch = bucket.current
             launch.entries[member] = payload
             self._core.add_wire_bytes(4)                    # the member word
@@ -115,9 +124,12 @@ class Exchange:
     def receive(self, ticket, world_size):
         """(every rank's payloads for this tensor concatenated in rank order, how many)."""
         if not isinstance(ticket, tuple):
+            with self._lock:
+                self._outstanding -= 1
             return hvd.synchronize(ticket), world_size
         bucket, member, launch, process_set = ticket
         with self._lock:
+            self._outstanding -= 1
             if launch.handle is None:                       # incomplete at synchronize time
                 if launch is bucket.current:
                     self._start(bucket, process_set)

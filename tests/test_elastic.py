@@ -1,0 +1,109 @@
+"""DGC under Horovod Elastic (PyTorch, Gloo): a worker leaves mid-training, the others finish.
+
+Real elastic jobs (tests/workers/elastic_worker.py): `horovodrun -np 3 --min-np 2 --max-np 3
+--host-discovery-script` with the slots `localhost:2` and `127.0.0.1:1` (two names of this
+machine: Horovod blacklists the host of a failed worker, so the leaver needs a "host" of its own).
+Three workers are needed so that DGC still runs after one leaves: with one process Horovod's
+optimizer never calls the compressor. At step 6 of 10 the worker on 127.0.0.1 leaves:
+
+* ``exit``: it calls os._exit(3); the others fail in a collective (HorovodInternalError), restore
+  the last commit, and ``sync`` after the reset applies DGC's reset rule;
+* ``remove``: rank 0 removes it from the discovery output; the commit raises
+  HostsUpdatedInterrupt, Horovod skips ``sync`` (only a removal), and DGC applies the rule at the
+  first step after the reset.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BIN, ROOT
+
+EXIT_STEP, STEPS = 6, 10
+
+
+@pytest.fixture(scope="module", params=["exit", "remove"])
+def job(request, tmp_path_factory):
+    mode = request.param
+    tmp = tmp_path_factory.mktemp("elastic_" + mode)
+    hosts, discover, out = tmp / "hosts", tmp / "discover.sh", tmp / "out"
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    discover.write_text(f"#!/bin/sh\ncat '{hosts}'\n")
+    discover.chmod(0o755)
+    out.mkdir()
+    cmd = [os.path.join(BIN, "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", str(discover), "--gloo",
+           sys.executable, "tests/workers/elastic_worker.py", "--out", str(out),
+           "--mode", mode, "--hosts-file", str(hosts)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT,
+               PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{log[-6000:]}")
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    return mode, log, results
+
+
+def test_job_finishes_on_the_survivors_after_a_reset(job):
+    mode, log, results = job
+    left = {"exit": f"worker on 127.0.0.1 leaves at step {EXIT_STEP}",
+            "remove": f"host 127.0.0.1 removed from discovery at step {EXIT_STEP}"}[mode]
+    assert left in log
+    assert log.count("elastic reset: world size 2") == 2              # both survivors, logged
+    assert log.count("finished on localhost: world size 2, DGC resets 1") == 2
+    assert [r["host"] for r in results] == ["localhost", "localhost"]  # the leaver wrote nothing
+    for r in results:
+        assert r["reset_callbacks"] == [2]
+        assert [(e["size"], e["step"]) for e in r["entries"]] == [(3, 0), (2, EXIT_STEP)]
+
+
+def test_reset_rule_applied_at_sync_or_at_the_first_step(job):
+    mode, _, results = job
+    for r in results:
+        entry = r["entries"][1]
+        if mode == "exit":
+            failed = r["failed"]
+            assert failed["step"] == EXIT_STEP
+            assert failed["stat_steps"] == failed["committed_stat_steps"] + 1  # compressed, failed
+            assert entry["stat_steps"] == entry["committed_stat_steps"] == EXIT_STEP  # restored
+            assert entry["resets"] == 1 and entry["dgc_states"] == 0     # dropped at sync
+        else:
+            assert "failed" not in r
+            assert entry["resets"] == 0 and entry["dgc_states"] == 4     # no sync: not yet
+        assert r["final"]["resets"] == 1                                 # exactly once
+
+
+def test_first_step_of_each_world_starts_from_zero_state_with_the_new_world_size(job):
+    _, _, results = job
+    for r in results:
+        start, after = r["fresh"]
+        assert start["world"] == 3 and after["world"] == 2
+        for f in (start, after):
+            assert f["ok"] and f["tensors"] == 4 and f["sent"] > 0
+        assert not after["fits_previous_world"]        # clipping used N = 2, not 3
+
+
+def test_sync_refuses_a_config_that_differs_on_one_rank_on_every_rank(job):
+    _, _, results = job
+    for r in results:
+        msg = r["config_mismatch"]
+        assert msg is not None and msg.startswith("DGC: the ranks' DGC configs differ")
+        assert "compress_ratio" in msg and "0.1" in msg
+
+
+def test_explicit_restore_is_bit_identical_to_the_commit(job):
+    _, _, results = job
+    for r in results:
+        assert r["restore"] == {"moved": True, "identical_to_commit": True, "step_after": 3}
+
+
+def test_parameters_finite_and_identical_on_the_remaining_ranks(job):
+    _, _, results = job
+    finals = [r["final"] for r in results]
+    assert sorted(f["rank"] for f in finals) == [0, 1]
+    for f in finals:
+        assert f["size"] == 2 and f["finite"] and f["identical"]
+    assert finals[0]["params"] == finals[1]["params"]
