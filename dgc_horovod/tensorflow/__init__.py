@@ -31,11 +31,15 @@ How it rides on stock Horovod (0.28.x, unmodified):
   (``min_sparse_numel``) send their momentum-corrected velocity through that allreduce instead.
 * ``tf.IndexedSlices`` gradients (embeddings) keep Horovod's own allgather path, untouched by DGC,
   unless ``sparse_as_dense=True`` turns them into dense gradients, which DGC then compresses.
+* **Rank mismatches.** The first time ``compress`` sees a list of variables (at trace time), the
+  ranks compare it (names, shapes, dtypes, order; one pair of eager allgathers) and raise a
+  ValueError naming the first differing variable on every rank instead of hanging.
 * With a single process Horovod skips the reduction (and so DGC) entirely; DGC warns then, since the
   optimizer would run without the momentum DGC provides.
 * Keras 3 (the default ``tf.keras`` of TF 2.21) breaks parts of ``horovod.tensorflow`` itself;
   use tf-keras with ``TF_USE_LEGACY_KERAS=1`` (see README).
 """
+import json
 import sys
 import warnings
 
@@ -64,9 +68,10 @@ _REDUCE_FRAMES = ("allreduce_grads", "tf__allreduce_grads")
 
 @tf.autograph.experimental.do_not_convert
 def _find_variable(tensor):
-    """(variable, op, process_set) of the Horovod reduction that is compressing ``tensor``."""
+    """(variable, op, process_set, owner, (grads, vars)) of the Horovod reduction that is
+    compressing ``tensor``; (grads, vars) are the lists that reduction was given."""
     frame = sys._getframe(2)
-    op = process_set = found = None
+    op = process_set = found = reduced = None
     for _ in range(_MAX_FRAMES):
         if frame is None:
             break
@@ -81,7 +86,7 @@ def _find_variable(tensor):
                                    + _HINT)
             for j, g in enumerate(grads):
                 if g is tensor:
-                    found = variables[j]
+                    found, reduced = variables[j], (grads, variables)
                     break
             else:
                 raise RuntimeError("DGC could not match the gradient it was given (shape "
@@ -89,12 +94,57 @@ def _find_variable(tensor):
                                    "Horovod is reducing")
         owner = local.get("self")
         if found is not None and owner is not None and hasattr(owner, "_allreduce_grads"):
-            return found, op, process_set, owner          # the Horovod tape or optimizer
+            return found, op, process_set, owner, reduced   # the Horovod tape or optimizer
         frame = frame.f_back
     if found is not None:
-        return found, op, process_set, None
+        return found, op, process_set, None, reduced
     raise RuntimeError("dgc_horovod.tensorflow.DGC was called outside Horovod's gradient "
                        "reduction; " + _HINT)
+
+
+def _model_signature(grads, variables):
+    """[name, shape, dtype] of every variable Horovod reduces a gradient of, in its order."""
+    return [[v.name, list(v.shape.as_list()), v.dtype.name]
+            for g, v in zip(grads, variables) if g is not None]
+
+
+def _check_same_model(signature, process_set):
+    """Every rank must reduce the same variables (names, shapes, dtypes, order): compare the
+    signatures once, with two eager allgathers, and raise a ValueError naming the first
+    difference on every rank, rather than hang on collectives that never match (each variable's
+    allgather is named after it) or sum two different tensors."""
+    blob = json.dumps(signature).encode()
+    with tf.init_scope():                      # eager, also while a tf.function is traced
+        sizes = hvd.allgather(tf.constant([len(blob)], tf.int32), name="DGCCheckModelSizes",
+                              process_set=process_set).numpy().tolist()
+        data = hvd.allgather(tf.constant(list(blob), tf.int32), name="DGCCheckModel",
+                             process_set=process_set).numpy().astype("uint8").tobytes()
+    me = process_set.rank()
+    every, start = [], 0
+    for n in sizes:
+        every.append(json.loads(data[start:start + n].decode()))
+        start += n
+    for rank, theirs in enumerate(every):
+        if theirs == signature:
+            continue
+        if len(theirs) != len(signature):
+            longer, shorter, owner = ((signature, theirs, me) if len(signature) > len(theirs)
+                                      else (theirs, signature, rank))
+            names = {s[0] for s in shorter}
+            extra = next((s for s in longer if s[0] not in names), None)
+            detail = (f"; {extra[0]!r} (shape {extra[1]}, {extra[2]}) is reduced on rank {owner} "
+                      "only" if extra is not None else "")
+            raise ValueError(
+                f"DGC: the ranks' models differ: rank {me} reduces the gradients of "
+                f"{len(signature)} variables, rank {rank} of {len(theirs)}{detail} (a variable "
+                "trainable or present on one rank only?)")
+        for i, (a, b) in enumerate(zip(signature, theirs)):
+            if a != b:
+                raise ValueError(
+                    f"DGC: the ranks' models differ: the gradient #{i} Horovod reduces is of "
+                    f"{a[0]!r} (shape {a[1]}, {a[2]}) on rank {me} but of {b[0]!r} (shape "
+                    f"{b[1]}, {b[2]}) on rank {rank}; every rank must reduce the same "
+                    "trainable variables in the same order")
 
 
 class DGC(DGCAdapter, Compressor):
@@ -109,7 +159,9 @@ class DGC(DGCAdapter, Compressor):
 
     Raises (while Horovod traces its reduction): RuntimeError when used outside
     DistributedGradientTape / DistributedOptimizer or with op=Adasum; TypeError for a
-    non-floating gradient.
+    non-floating gradient; ValueError when the ranks reduce different variables (names,
+    shapes, dtypes or order; checked once per variable list with one pair of allgathers, the
+    message names the first difference).
     """
 
     _hvd = hvd
@@ -118,6 +170,7 @@ class DGC(DGCAdapter, Compressor):
         super().__init__(config, TFBackend(), **kwargs)
         self._names = {}        # variable ref -> unique state name
         self._pending = {}      # state name -> SparseContext between compress and decompress
+        self._checked_models = set()    # model signatures already compared across ranks
         self._warned_single = False
         if str(getattr(tf.keras, "__version__", "2")).startswith("3"):
             warnings.warn(_KERAS3_HINT)
@@ -146,7 +199,7 @@ class DGC(DGCAdapter, Compressor):
         """Trace-time: place DGC's ops for ``tensor`` in the graph; return (to allreduce, ctx)."""
         if not tensor.dtype.is_floating:
             raise TypeError(f"DGC: gradients must be floating-point tensors, got {tensor.dtype}")
-        var, op, process_set, owner = _find_variable(tensor)
+        var, op, process_set, owner, reduced = _find_variable(tensor)
         if self.config.momentum > 0 and _momentum_of(owner) > 0:
             raise ValueError(
                 f"momentum would be applied twice to {var.name!r}: DGC(momentum="
@@ -158,6 +211,12 @@ class DGC(DGCAdapter, Compressor):
             raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
         process_set = process_set if process_set is not None else hvd.global_process_set
         world = process_set.size()
+        if world > 1:
+            signature = _model_signature(*reduced)
+            key = json.dumps(signature)
+            if key not in self._checked_models:
+                _check_same_model(signature, process_set)
+                self._checked_models.add(key)
         if world == 1 and not self._warned_single:
             self._warned_single = True
             warnings.warn("Horovod skips gradient reduction (and so DGC and its momentum "
