@@ -40,6 +40,26 @@ bench: install
 check-build: install
 	horovodrun --check-build
 
+## cluster-up: two "hosts" (network namespaces dgc-hostA/B, veth 10.77.0.1/2, tc-shaped link at
+## RATE=1gbit|100mbit, sshd in each); cluster-down removes all of it; cluster-demo trains the MNIST
+## example with DGC across them (horovodrun -H hostA:1,hostB:1 over ssh, Gloo). Needs root.
+## cluster-bench: benchmarks/synthetic_benchmark.py (ResNet-50 and LSTM shapes) across them.
+RATE ?= 1gbit
+.PHONY: cluster-up cluster-down cluster-demo cluster-bench
+cluster-up: install
+	RATE=$(RATE) DELAY=$(DELAY) bash scripts/cluster/up.sh
+cluster-down:
+	bash scripts/cluster/down.sh
+cluster-demo: install
+	@test -e /run/netns/dgc-hostA || $(MAKE) --no-print-directory cluster-up
+	bash scripts/cluster/run.sh --gloo python examples/pytorch_mnist.py --compression dgc $(ARGS)
+cluster-bench: install
+	@test -e /run/netns/dgc-hostA || $(MAKE) --no-print-directory cluster-up
+	bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py --model resnet50 --markdown \
+	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS)
+	bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py --model lstm_lm --markdown \
+	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS)
+
 ## clean-venv: remove .venv (the built Horovod wheel stays cached in ~/.cache/dgc_horovod)
 clean-venv:
 	rm -rf $(VENV)
@@ -52,6 +72,12 @@ docker:
 	@$(DOCKER) info >/dev/null 2>&1 || { echo "make docker: no Docker engine answers ('$(DOCKER) info' failed); start one, or build on a machine that has one" >&2; exit 1; }
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t dgc_horovod:cpu .
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile.gpu -t dgc_horovod:gpu .
+
+## ablation: the paper's ablation on real data (MNIST, Shakespeare LSTM LM; 2 and 4 ranks; 6 variants
+## from dense to full DGC; 3 seeds) -> docs/ablation.{md,png,json}; ~45 min on 2 cores. ARGS=--quick: ~2 min
+.PHONY: ablation
+ablation: install
+	TF_USE_LEGACY_KERAS=1 python benchmarks/ablation.py $(ARGS)
 
 ## docs: regenerate docs/api.md from the docstrings and the DGC pipeline figure docs/dgc_pipeline.png
 .PHONY: docs
