@@ -129,6 +129,8 @@ if [ "$(cat "$VENV/.dgc-horovod" 2>/dev/null)" != "$hvd_key" ]; then
     ls "$VENV"/lib/python*/site-packages/horovod/tensorflow/mpi_lib*.so >/dev/null
     echo "$hvd_key" > "$VENV/.dgc-horovod"
 fi
+# where the wheel of this venv's Horovod lies (tests/test_wheel_venv.py installs it elsewhere)
+echo "$CACHE/wheels/$hvd_key" > "$VENV/.dgc-horovod-wheels"
 
 # 5. dgc_horovod itself ----------------------------------------------------------------------
 self_key="$(sha "$ROOT/setup.py")-$ROOT"
