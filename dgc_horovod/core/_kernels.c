@@ -117,16 +117,28 @@ ALWAYS_INLINE void update_body(const int mode, const int fma, const int unit, jo
     for (i64 b = j->b0; b < j->b1; b++) {
         const i64 i0 = b * BLOCK, len = (j->n - i0 < BLOCK) ? j->n - i0 : BLOCK;
         const float *restrict gb = g + i0;
-        float *restrict ub = mode ? u + i0 : NULL;
         float *restrict vb = v + i0;
         uint32_t mx = 0;
-        for (i64 i = 0; i < len; i++) {
-            float nu, nv;
-            update(mode, fma, unit, m, s, gb[i], mode ? ub[i] : 0.0f, vb[i], &nu, &nv);
-            if (mode) ub[i] = nu;
-            vb[i] = nv;
-            uint32_t bits = absbits(nv);
-            mx = bits > mx ? bits : mx;
+        /* (mode is a constant in every instantiation: each branch is a plain loop that the
+         *  compiler vectorises; a conditional load of u in one loop would stop it) */
+        if (mode == 0) {
+            for (i64 i = 0; i < len; i++) {
+                float nu, nv;
+                update(0, fma, unit, m, s, gb[i], 0.0f, vb[i], &nu, &nv);
+                vb[i] = nv;
+                uint32_t bits = absbits(nv);
+                mx = bits > mx ? bits : mx;
+            }
+        } else {
+            float *restrict ub = u + i0;
+            for (i64 i = 0; i < len; i++) {
+                float nu, nv;
+                update(mode, fma, unit, m, s, gb[i], ub[i], vb[i], &nu, &nv);
+                ub[i] = nu;
+                vb[i] = nv;
+                uint32_t bits = absbits(nv);
+                mx = bits > mx ? bits : mx;
+            }
         }
         if (j->bmax) j->bmax[b] = mx;
     }
@@ -173,6 +185,7 @@ static int have_avx2(void) {
 #define FINITE_FN finite_generic
 #endif
 
+#define MAX_THREADS 64
 static void *gather_worker(void *p) {
     job_t *j = (job_t *)p;
     const float *v = j->v;
@@ -184,21 +197,119 @@ static void *gather_worker(void *p) {
     return NULL;
 }
 
-/* Runs fn on jobs[0..T): jobs 1.. on new threads (inline when a thread cannot start). */
-#define MAX_THREADS 64
-static void run_jobs(void *(*fn)(void *), job_t *jobs, int T) {
-    pthread_t th[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 1; t < T; t++) started[t] = pthread_create(&th[t], NULL, fn, &jobs[t]) == 0;
-    fn(&jobs[0]);
-    for (int t = 1; t < T; t++) {
-        if (started[t]) pthread_join(th[t], NULL);
-        else fn(&jobs[t]);
+/* ---- a persistent pool of worker threads
+ * parallel(fn, ctx, ntasks, threads) runs fn(ctx, 0..ntasks) on the calling thread and up to
+ * threads-1 pool workers, which take task indices from a shared counter. Workers are started on
+ * first use. Between regions a worker spins for a short while (SPIN pause instructions, about
+ * 0.1 ms) and then sleeps on a condition variable: regions that follow each other closely (the
+ * phases of one batch, the tensors of one step) do not pay for waking a sleeping thread, which
+ * on a virtual machine can cost tens of microseconds, and an idle pool uses no CPU. One region
+ * at a time: a caller that finds the pool busy (another Python thread, or a task calling
+ * parallel()) runs its tasks inline. After fork() the child starts with an empty pool. */
+#define SPIN 4096
+typedef void (*task_fn)(void *ctx, i64 task);
+static struct {
+    pthread_mutex_t use, mu;
+    pthread_cond_t go, done;
+    int started, wanted, running;
+    unsigned long gen, seen0[MAX_THREADS];
+    task_fn fn; void *ctx; i64 ntasks, next;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+       PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, {0}, NULL, NULL, 0, 0};
+
+ALWAYS_INLINE void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void drain(void) {
+    for (;;) {
+        i64 t = __atomic_fetch_add(&P.next, 1, __ATOMIC_RELAXED);
+        if (t >= P.ntasks) return;
+        P.fn(P.ctx, t);
     }
 }
 
+static void *pool_worker(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    pthread_mutex_lock(&P.mu);
+    unsigned long seen = P.seen0[id];
+    pthread_mutex_unlock(&P.mu);
+    for (;;) {
+        unsigned long g = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE);
+        for (int i = 0; g == seen && i < SPIN; i++) {
+            cpu_relax();
+            g = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE);
+        }
+        if (g == seen) {
+            pthread_mutex_lock(&P.mu);
+            while ((g = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE)) == seen)
+                pthread_cond_wait(&P.go, &P.mu);
+            pthread_mutex_unlock(&P.mu);
+        }
+        seen = g;
+        if (id >= P.wanted) continue;
+        drain();
+        if (__atomic_sub_fetch(&P.running, 1, __ATOMIC_ACQ_REL) == 0) {
+            pthread_mutex_lock(&P.mu);
+            pthread_cond_signal(&P.done);
+            pthread_mutex_unlock(&P.mu);
+        }
+    }
+    return NULL;
+}
+
+static void pool_after_fork_child(void) {
+    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    P.use = m; P.mu = m; P.go = c; P.done = c;
+    P.started = P.wanted = P.running = 0;
+}
+
+static void parallel(task_fn fn, void *ctx, i64 ntasks, int threads) {
+    i64 T = threads < ntasks ? threads : ntasks;
+    if (T > MAX_THREADS) T = MAX_THREADS;
+    if (T <= 1 || pthread_mutex_trylock(&P.use) != 0) {
+        for (i64 t = 0; t < ntasks; t++) fn(ctx, t);
+        return;
+    }
+    pthread_mutex_lock(&P.mu);
+    while (P.started < T - 1) {
+        pthread_t th;
+        P.seen0[P.started] = P.gen;
+        if (pthread_create(&th, NULL, pool_worker, (void *)(intptr_t)P.started) != 0) break;
+        pthread_detach(th);
+        P.started++;
+    }
+    const int W = (int)(T - 1 < P.started ? T - 1 : P.started);
+    P.fn = fn; P.ctx = ctx; P.ntasks = ntasks; P.next = 0; P.wanted = W;
+    __atomic_store_n(&P.running, W, __ATOMIC_RELAXED);
+    __atomic_store_n(&P.gen, P.gen + 1, __ATOMIC_RELEASE);    /* publishes the fields above */
+    pthread_cond_broadcast(&P.go);
+    pthread_mutex_unlock(&P.mu);
+    drain();
+    for (int i = 0; __atomic_load_n(&P.running, __ATOMIC_ACQUIRE) > 0 && i < SPIN; i++)
+        cpu_relax();
+    if (__atomic_load_n(&P.running, __ATOMIC_ACQUIRE) > 0) {
+        pthread_mutex_lock(&P.mu);
+        while (__atomic_load_n(&P.running, __ATOMIC_ACQUIRE) > 0)
+            pthread_cond_wait(&P.done, &P.mu);
+        pthread_mutex_unlock(&P.mu);
+    }
+    pthread_mutex_unlock(&P.use);
+}
+
+/* Runs fn on jobs[0..T) in parallel (the per-tensor entry points). */
+typedef struct { void *(*fn)(void *); job_t *jobs; } jobs_ctx;
+static void job_task(void *c, i64 t) { jobs_ctx *j = (jobs_ctx *)c; j->fn(&j->jobs[t]); }
+static void run_jobs(void *(*fn)(void *), job_t *jobs, int T) {
+    jobs_ctx c = {fn, jobs};
+    parallel(job_task, &c, T, T);
+}
+
 /* threads for n elements: one per PARALLEL_MIN elements, at most `threads` */
-#define PARALLEL_MIN (1 << 19)
+#define PARALLEL_MIN (1 << 16)
 static int nthreads(i64 n, int threads) {
     i64 t = n / PARALLEL_MIN;
     if (t > threads) t = threads;
@@ -236,6 +347,42 @@ static i64 select_candidates(const i64 *cidx, const float *cmag, i64 c, i64 k, i
     return w;
 }
 
+/* The positions with |v| >= t (tb: its bits) in ascending order into cidx / cmag (at most cap of
+ * them); only blocks whose recorded maximum reaches t are read. Returns the full count. */
+static i64 candidates(const float *v, i64 n, const uint32_t *bmax, float t, uint32_t tb,
+                      i64 *cidx, float *cmag, i64 cap) {
+    /* The qualifying blocks are scattered over v (in memory, not in cache, for a large tensor):
+     * the next LOOKAHEAD of them are prefetched while one is read, in ascending order. */
+    enum { LOOKAHEAD = 16 };
+    const i64 nblocks = (n + BLOCK - 1) / BLOCK;
+    i64 ring[LOOKAHEAD], next = 0, c = 0;
+    int head = 0, queued = 0;
+    for (;;) {
+        while (queued < LOOKAHEAD && next < nblocks) {
+            if (bmax[next] >= tb) {
+                const float *p = v + next * BLOCK;
+                for (int l = 0; l < BLOCK; l += 16) __builtin_prefetch(p + l);
+                ring[(head + queued) % LOOKAHEAD] = next;
+                queued++;
+            }
+            next++;
+        }
+        if (!queued) break;
+        const i64 b = ring[head];
+        head = (head + 1) % LOOKAHEAD;
+        queued--;
+        const i64 i0 = b * BLOCK, len = (n - i0 < BLOCK) ? n - i0 : BLOCK;
+        for (i64 i = 0; i < len; i++) {
+            float a = fabsf(v[i0 + i]);
+            if (a >= t) {
+                if (c < cap) { cidx[c] = i0 + i; cmag[c] = a; }
+                c++;
+            }
+        }
+    }
+    return c;
+}
+
 static int step_impl(int mode, int fma, int unit, const float *g, float *u, float *v, i64 n,
                      float m, float s, const i64 *pos, i64 npos, i64 ks, i64 *cidx, float *cmag,
                      i64 cap, int threads, float *thr_out, i64 *count_out) {
@@ -267,20 +414,8 @@ static int step_impl(int mode, int fma, int unit, const float *g, float *u, floa
     const float t = kth_largest(smp, npos, ks);
     const uint32_t tb = absbits(t);
     /* 3. candidates |v| >= t, ascending: only blocks whose maximum reaches t are read again */
-    i64 c = 0;
-    for (i64 b = 0; b < nblocks; b++) {
-        if (bmax[b] < tb) continue;
-        const i64 i0 = b * BLOCK, len = (n - i0 < BLOCK) ? n - i0 : BLOCK;
-        for (i64 i = 0; i < len; i++) {
-            float a = fabsf(v[i0 + i]);
-            if (a >= t) {
-                if (c < cap) { cidx[c] = i0 + i; cmag[c] = a; }
-                c++;
-            }
-        }
-    }
     *thr_out = t;
-    *count_out = c;
+    *count_out = candidates(v, n, bmax, t, tb, cidx, cmag, cap);
     return 0;
 }
 
@@ -318,6 +453,10 @@ static int finish_impl(i64 *idx, i64 c, float *v, float *u, int mask_u, int sort
     if (sort && sort_positions(idx, c)) return -1;
     for (i64 j = 0; j < c; j++) {
         i64 p = idx[j];
+        if (j + 16 < c) {                            /* scattered positions: prefetch ahead */
+            __builtin_prefetch(v + idx[j + 16], 1);
+            if (usent || mask_u) __builtin_prefetch(u + idx[j + 16], 1);
+        }
         vals[j] = v[p];
         if (usent) usent[j] = u[p];
         v[p] = 0.0f;
@@ -360,9 +499,305 @@ static int finish_impl(i64 *idx, i64 c, float *v, float *u, int mask_u, int sort
     return 0;
 }
 
+/* ---- batches: many tensors in one call (a bucket of the PyTorch adapter)
+ *
+ * finite_many(desc, count[, threads]): desc is an int64 array of count triples (x, n, ok); sets
+ *   ok = 1 when float32 x[n] has no NaN/Inf, else 0. Work is split in chunks over the pool.
+ * step_many(desc, fdesc, count[, threads, out, vals, usent, payload]): desc is an int64 array
+ *   of count rows of NF fields (the F_* below), fdesc a float64 array of count rows (m, s,
+ *   threshold); out, vals, usent, payload are the batch buffers (below). Per tensor it does
+ *   what step() and then, when it selected (nsel >= 0) and payload != 0, what finish() does, with
+ *   the same arithmetic (so the same results as the per-tensor calls). It also settles two cases
+ *   that step() leaves to the caller, with the set the backend's top-k would choose: more
+ *   candidates than cap (collected again into temporary buffers) and fewer than k/2 (a lower
+ *   sampled threshold that k of them reach, or the exact top-k over |v|), both when the set is
+ *   unique. Outputs: count, nsel,
+ *   words, and the threshold in fdesc. Then it compacts: the selected indices (out), values
+ *   (vals), u at the sent positions (usent) and payloads of the tensors it finished are moved to
+ *   the front of their batch buffers, in tensor order, each row's out/vals/usent region being k
+ *   entries and its payload region cap_words words (contiguous, in row order). Tensors with
+ *   nsel < 0 are left to the caller (ties at the k-th magnitude, threshold 0, no sampling).
+ *   Phases: (1) the update of every tensor, in chunks of 1024 blocks (65,536 elements) over the
+ *   pool; a tensor of one chunk or less is then finished by the same task while it is in cache;
+ *   (2) the gather of the sampled magnitudes of the larger tensors, in chunks; (3) per larger
+ *   tensor, largest first: threshold, candidates, selection, gather/clear/encode. All arguments
+ *   are checked before any state changes. */
+enum { F_G, F_U, F_V, F_N, F_MODE, F_FMA, F_POS, F_NPOS, F_KS, F_CIDX, F_CMAG, F_CAP, F_K,
+       F_OUT, F_VALS, F_USENT, F_MASKU, F_PAY, F_CAPW, F_SORT, F_FLAGS,
+       F_COUNT, F_NSEL, F_WORDS, NF };
+enum { D_M, D_S, D_THR, ND };
+
+typedef struct { i64 t, lo, hi; } range_t;
+typedef struct {
+    i64 *d; double *f; i64 nt;
+    i64 *boff, *soff; uint32_t *bmax; float *smp;
+    range_t *r; i64 nr; i64 *order; char *small; int rc;
+} batch_t;
+
+#define CHUNK_BLOCKS 1024          /* 64K elements per update task */
+#define CHUNK_SAMPLES 16384        /* sampled positions per gather task */
+#define CHUNK_FINITE (1 << 16)     /* elements per finiteness task */
+
+static i64 make_ranges(range_t *r, i64 t, i64 total, i64 chunk) {
+    i64 w = 0;
+    for (i64 lo = 0; lo < total; lo += chunk) {
+        r[w].t = t; r[w].lo = lo; r[w].hi = lo + chunk < total ? lo + chunk : total; w++;
+    }
+    return w;
+}
+
+static void finite_task(void *c, i64 k) {
+    batch_t *b = (batch_t *)c;
+    const range_t *r = &b->r[k];
+    i64 *row = b->d + 3 * r->t;
+    job_t j; memset(&j, 0, sizeof j);
+    j.x = (const float *)(uintptr_t)row[0]; j.i0 = r->lo; j.i1 = r->hi;
+    FINITE_FN(&j);
+    if (!j.ok) __atomic_store_n(&row[2], 0, __ATOMIC_RELAXED);
+}
+
+static void select_one(batch_t *b, i64 t);
+
+static void update_task(void *c, i64 k) {
+    batch_t *b = (batch_t *)c;
+    const range_t *r = &b->r[k];
+    const i64 *row = b->d + NF * r->t;
+    const double *f = b->f + ND * r->t;
+    job_t j; memset(&j, 0, sizeof j);
+    j.g = (const float *)(uintptr_t)row[F_G]; j.u = (float *)(uintptr_t)row[F_U];
+    j.v = (float *)(uintptr_t)row[F_V]; j.n = row[F_N];
+    j.m = (float)f[D_M]; j.s = (float)f[D_S];
+    j.mode = (int)row[F_MODE]; j.fma = row[F_FMA] ? 1 : 0; j.unit = j.s == 1.0f;
+    j.bmax = row[F_NPOS] > 0 ? b->bmax + b->boff[r->t] : NULL;
+    j.b0 = r->lo; j.b1 = r->hi;
+    UPDATE_FN(&j);
+    if (b->small[r->t]) {                /* the whole tensor: gather and select it now */
+        if (row[F_NPOS] > 0) {
+            job_t q; memset(&q, 0, sizeof q);
+            q.v = j.v; q.pos = (const i64 *)(uintptr_t)row[F_POS];
+            q.smp = b->smp + b->soff[r->t]; q.j0 = 0; q.j1 = row[F_NPOS];
+            gather_worker(&q);
+        }
+        select_one(b, r->t);
+    }
+}
+
+static void gather_task(void *c, i64 k) {
+    batch_t *b = (batch_t *)c;
+    const range_t *r = &b->r[k];
+    const i64 *row = b->d + NF * r->t;
+    job_t j; memset(&j, 0, sizeof j);
+    j.v = (float *)(uintptr_t)row[F_V]; j.pos = (const i64 *)(uintptr_t)row[F_POS];
+    j.smp = b->smp + b->soff[r->t]; j.j0 = r->lo; j.j1 = r->hi;
+    gather_worker(&j);
+}
+
+/* The k largest |v| of v[n] in ascending position order into out, when that set is unique (no
+ * tie at the k-th largest magnitude, which is > 0): what the backend's top-k over |v| selects.
+ * Returns k, or -1 (ties, a zero k-th magnitude, out of memory: the caller takes the backend's
+ * top-k). */
+static i64 exact_topk_unique(const float *v, i64 n, i64 k, i64 *out) {
+    if (k < 1 || k > n) return -1;
+    float *tmp = (float *)scratch(1, (size_t)n * sizeof(float));
+    if (!tmp) return -1;
+    for (i64 i = 0; i < n; i++) tmp[i] = fabsf(v[i]);
+    const float T = kth_largest(tmp, n, k);
+    if (!(T > 0.0f)) return -1;
+    i64 above = 0, equal = 0;
+    for (i64 i = 0; i < n; i++) { float a = fabsf(v[i]); above += a > T; equal += a == T; }
+    if (above + equal != k) return -1;
+    i64 w = 0;
+    for (i64 i = 0; i < n; i++) if (fabsf(v[i]) >= T) out[w++] = i;
+    return w;
+}
+
+/* The top-k (unique set, ascending) among the cnt positions with |v| >= thr into out: from the
+ * candidate buffers when they hold all of them, else collected again into temporary buffers.
+ * Returns the number written or -1 (see select_candidates). */
+static i64 choose(const float *v, i64 n, const uint32_t *bmax, float thr, i64 cnt, i64 k,
+                  const i64 *cidx, const float *cmag, i64 cap, i64 *out) {
+    if (cnt <= cap) return select_candidates(cidx, cmag, cnt, k, out);
+    i64 *ci = (i64 *)malloc(sizeof(i64) * (size_t)cnt);
+    float *cm = (float *)malloc(sizeof(float) * (size_t)cnt);
+    i64 nsel = -1;
+    if (ci && cm) {
+        candidates(v, n, bmax, thr, absbits(thr), ci, cm, cnt);
+        nsel = select_candidates(ci, cm, cnt, k, out);
+    }
+    free(ci);
+    free(cm);
+    return nsel;
+}
+
+static void select_one(batch_t *b, i64 t) {
+    i64 *row = b->d + NF * t;
+    double *f = b->f + ND * t;
+    row[F_COUNT] = 0; row[F_NSEL] = -1; row[F_WORDS] = 0; f[D_THR] = 0.0;
+    const i64 npos = row[F_NPOS], n = row[F_N];
+    if (npos == 0) return;
+    float *v = (float *)(uintptr_t)row[F_V];
+    const float thr = kth_largest(b->smp + b->soff[t], npos, row[F_KS]);
+    const i64 cap = row[F_CAP];
+    i64 *cidx = (i64 *)(uintptr_t)row[F_CIDX];
+    float *cmag = (float *)(uintptr_t)row[F_CMAG];
+    const i64 cnt = candidates(v, n, b->bmax + b->boff[t], thr, absbits(thr), cidx, cmag, cap);
+    f[D_THR] = thr; row[F_COUNT] = cnt;
+    i64 *out = (i64 *)(uintptr_t)row[F_OUT];
+    const i64 k = row[F_K];
+    if (!out || k <= 0 || thr <= 0.0f) return;
+    const uint32_t *bmax = b->bmax + b->boff[t];
+    i64 nsel = -1;
+    if (2 * cnt < k) {
+        /* Too few candidates: the backend would take the exact top-k over v. Its set (when
+         * unique) is also the top-k among the positions above any threshold that at least k of
+         * them reach: lower the threshold to the (4 ks)-th, (16 ks)-th, ... largest sample, then,
+         * failing that, take the exact top-k over v. (The reported threshold and count stay the
+         * first ones, for the caller's fallback.) */
+        float *smp = b->smp + b->soff[t];
+        for (i64 ks = row[F_KS]; ks < npos;) {
+            ks = 4 * ks < npos ? 4 * ks : npos;
+            const float t2 = kth_largest(smp, npos, ks);
+            if (!(t2 > 0.0f)) break;
+            const i64 c2 = candidates(v, n, bmax, t2, absbits(t2), cidx, cmag, cap);
+            if (c2 >= k) { nsel = choose(v, n, bmax, t2, c2, k, cidx, cmag, cap, out); break; }
+        }
+        if (nsel < 0) nsel = exact_topk_unique(v, n, k, out);
+    } else {
+        nsel = choose(v, n, bmax, thr, cnt, k, cidx, cmag, cap, out);
+    }
+    row[F_NSEL] = nsel;
+    if (nsel < 0 || !row[F_PAY]) return;
+    i64 words = 0;
+    int rc = finish_impl(out, nsel, v, (float *)(uintptr_t)row[F_U], (int)row[F_MASKU],
+                         (int)row[F_SORT], (float *)(uintptr_t)row[F_VALS],
+                         (float *)(uintptr_t)row[F_USENT], (int32_t *)(uintptr_t)row[F_PAY],
+                         row[F_CAPW], n, (int)row[F_FLAGS], &words);
+    if (rc) { b->rc = rc; row[F_NSEL] = -1; return; }
+    row[F_WORDS] = words;
+}
+
+static void select_task(void *c, i64 task) {
+    batch_t *b = (batch_t *)c;
+    select_one(b, b->order[task]);
+}
+
+typedef struct { i64 n, t; } size_row;
+static int by_size_desc(const void *a, const void *b) {
+    const size_row *x = (const size_row *)a, *y = (const size_row *)b;
+    return x->n < y->n ? 1 : x->n > y->n ? -1 : (x->t > y->t) - (x->t < y->t);
+}
+
+static int check_rows(const i64 *d, i64 nt) {
+    for (i64 t = 0; t < nt; t++) {
+        const i64 *row = d + NF * t;
+        const i64 n = row[F_N], npos = row[F_NPOS], mode = row[F_MODE];
+        if (n < 0 || mode < 0 || mode > 2 || (mode && !row[F_U]) || !row[F_G] || !row[F_V]
+            || npos < 0 || (npos && (row[F_KS] < 1 || row[F_KS] > npos || !row[F_POS]
+                                     || !row[F_CIDX] || !row[F_CMAG] || row[F_CAP] < 0))
+            || ((row[F_MASKU] || row[F_USENT]) && !row[F_U]) || (row[F_PAY] && !row[F_VALS]))
+            return -5;
+        const i64 *pos = (const i64 *)(uintptr_t)row[F_POS];
+        for (i64 j = 0; j < npos; j++)
+            if (pos[j] < 0 || pos[j] >= n) return -2;
+    }
+    return 0;
+}
+
+static int step_many_impl(i64 *d, double *f, i64 nt, int threads, void *const base_[4]) {
+    if (nt <= 0) return 0;
+    i64 *const b0 = (i64 *)base_[0];
+    struct { i64 *o; float *v, *u; int32_t *p; } bb = {b0, (float *)base_[1], (float *)base_[2],
+                                                      (int32_t *)base_[3]};
+
+    int rc = check_rows(d, nt);
+    if (rc) return rc;
+    for (i64 t = 0; t < nt; t++)
+        if (d[NF * t + F_PAY] && (!bb.o || !bb.v || !bb.p || (d[NF * t + F_USENT] && !bb.u)))
+            return -5;
+    batch_t b; memset(&b, 0, sizeof b);
+    b.d = d; b.f = f; b.nt = nt;
+    b.boff = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
+    b.soff = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
+    b.order = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
+    b.small = (char *)malloc((size_t)(nt + 1));
+    i64 nblk = 0, nsmp = 0, nranges = 0, nbig = 0;
+    if (!b.boff || !b.soff || !b.order || !b.small) { rc = -1; goto out; }
+    for (i64 t = 0; t < nt; t++) {
+        const i64 *row = d + NF * t;
+        const i64 blocks = (row[F_N] + BLOCK - 1) / BLOCK;
+        b.boff[t] = nblk; b.soff[t] = nsmp;
+        if (row[F_NPOS] > 0) { nblk += blocks; nsmp += row[F_NPOS]; }
+        nranges += (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS
+                   + (row[F_NPOS] + CHUNK_SAMPLES - 1) / CHUNK_SAMPLES;
+        b.small[t] = blocks <= CHUNK_BLOCKS;   /* one task does all of it, in cache */
+        if (!b.small[t]) b.order[nbig++] = t;
+    }
+    b.bmax = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(nblk + 1));
+    b.smp = (float *)malloc(sizeof(float) * (size_t)(nsmp + 1));
+    b.r = (range_t *)malloc(sizeof(range_t) * (size_t)(nranges + 1));
+    if (!b.bmax || !b.smp || !b.r) { rc = -1; goto out; }
+    /* 1. the updates */
+    b.nr = 0;
+    for (i64 t = 0; t < nt; t++)
+        b.nr += make_ranges(b.r + b.nr, t, (d[NF * t + F_N] + BLOCK - 1) / BLOCK, CHUNK_BLOCKS);
+    parallel(update_task, &b, b.nr, threads);
+    /* 2. the sampled magnitudes of the large tensors */
+    b.nr = 0;
+    for (i64 q = 0; q < nbig; q++)
+        b.nr += make_ranges(b.r + b.nr, b.order[q], d[NF * b.order[q] + F_NPOS], CHUNK_SAMPLES);
+    parallel(gather_task, &b, b.nr, threads);
+    /* 3. per large tensor, largest first */
+    size_row *sr = (size_row *)malloc(sizeof(size_row) * (size_t)(nbig + 1));
+    if (!sr) { rc = -1; goto out; }
+    for (i64 q = 0; q < nbig; q++) { sr[q].n = d[NF * b.order[q] + F_N]; sr[q].t = b.order[q]; }
+    qsort(sr, (size_t)nbig, sizeof(size_row), by_size_desc);
+    for (i64 q = 0; q < nbig; q++) b.order[q] = sr[q].t;
+    free(sr);
+    parallel(select_task, &b, nbig, threads);
+    rc = b.rc;
+    /* compaction of what was finished, in row order, to the front of the batch buffers */
+    if (!rc) {
+        i64 oo = 0, wo = 0;
+        for (i64 t = 0; t < nt; t++) {
+            const i64 *row = d + NF * t;
+            const i64 nsel = row[F_NSEL], words = row[F_WORDS];
+            if (!row[F_PAY] || nsel < 0) continue;
+            memmove(bb.o + oo, (i64 *)(uintptr_t)row[F_OUT], sizeof(i64) * (size_t)nsel);
+            memmove(bb.v + oo, (float *)(uintptr_t)row[F_VALS], sizeof(float) * (size_t)nsel);
+            if (row[F_USENT])
+                memmove(bb.u + oo, (float *)(uintptr_t)row[F_USENT],
+                        sizeof(float) * (size_t)nsel);
+            memmove(bb.p + wo, (int32_t *)(uintptr_t)row[F_PAY], sizeof(int32_t) * (size_t)words);
+            oo += nsel; wo += words;
+        }
+    }
+out:
+    free(b.boff); free(b.soff); free(b.order); free(b.small); free(b.bmax); free(b.smp);
+    free(b.r);
+    return rc;
+}
+
+static int finite_many_impl(i64 *d, i64 nt, int threads) {
+    batch_t b; memset(&b, 0, sizeof b);
+    b.d = d; b.nt = nt;
+    i64 nranges = 0;
+    for (i64 t = 0; t < nt; t++) {
+        if (d[3 * t + 1] < 0 || !d[3 * t]) return -5;
+        nranges += (d[3 * t + 1] + CHUNK_FINITE - 1) / CHUNK_FINITE;
+        d[3 * t + 2] = 1;
+    }
+    b.r = (range_t *)malloc(sizeof(range_t) * (size_t)(nranges + 1));
+    if (!b.r) return -1;
+    for (i64 t = 0; t < nt; t++) b.nr += make_ranges(b.r + b.nr, t, d[3 * t + 1], CHUNK_FINITE);
+    parallel(finite_task, &b, b.nr, threads);
+    free(b.r);
+    return 0;
+}
+
 static PyObject *err(int rc) {
     const char *what = rc == -1 ? "out of memory" : rc == -2 ? "position out of range"
-                     : rc == -3 ? "positions are not unique" : "payload buffer too small";
+                     : rc == -3 ? "positions are not unique" : rc == -5 ? "bad batch row"
+                     : "payload buffer too small";
     PyErr_Format(rc == -1 ? PyExc_MemoryError : PyExc_ValueError, "dgc_horovod kernel: %s", what);
     return NULL;
 }
@@ -428,14 +863,51 @@ static PyObject *py_finish(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(words);
 }
 
+static PyObject *py_step_many(PyObject *self, PyObject *args) {
+    unsigned long long d, f, o = 0, v = 0, u = 0, p = 0; long long nt; int threads = 1;
+    if (!PyArg_ParseTuple(args, "KKL|iKKKK", &d, &f, &nt, &threads, &o, &v, &u, &p)) return NULL;
+    void *base[4] = {(void *)(uintptr_t)o, (void *)(uintptr_t)v, (void *)(uintptr_t)u,
+                     (void *)(uintptr_t)p};
+    if (nt < 0 || (nt && (!d || !f))) {
+        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel step_many: bad arguments");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = nt ? step_many_impl((i64 *)(uintptr_t)d, (double *)(uintptr_t)f, nt, threads, base) : 0;
+    Py_END_ALLOW_THREADS
+    if (rc) return err(rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_finite_many(PyObject *self, PyObject *args) {
+    unsigned long long d; long long nt; int threads = 1;
+    if (!PyArg_ParseTuple(args, "KL|i", &d, &nt, &threads)) return NULL;
+    if (nt < 0 || (nt && !d)) {
+        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel finite_many: bad arguments");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = nt ? finite_many_impl((i64 *)(uintptr_t)d, nt, threads) : 0;
+    Py_END_ALLOW_THREADS
+    if (rc) return err(rc);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(x, n) -> bool"},
     {"step", py_step, METH_VARARGS, "step(g, u, v, n, mode, fma, m, s, pos, npos, ks, cidx, cmag, cap)"},
     {"finish", py_finish, METH_VARARGS,
      "finish(idx, c, v, u, mask_u, sort, vals, usent, payload, cap_words, numel, flags) -> words"},
+    {"step_many", py_step_many, METH_VARARGS, "step_many(desc, fdesc, count[, threads, out, vals, usent, payload])"},
+    {"finite_many", py_finite_many, METH_VARARGS, "finite_many(desc, count[, threads])"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
                                     "Fused CPU kernels of DGC's compress step.", -1, methods};
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+    pthread_atfork(NULL, NULL, pool_after_fork_child);
+    return PyModule_Create(&module);
+}

@@ -90,13 +90,21 @@ class Backend:
     def kernel_fma(self): return None                    # True / False: its float32 a*b + c
                                                          # rounds once / twice (kernels.calibrate);
                                                          # None: never use the kernels
-    def sample_positions(self, n, s, generator): raise NotImplementedError  # int64 (s,): the
-                                                         # positions sample() draws for n entries
+    def sample_positions(self, n, s, generator, out=None): raise NotImplementedError  # int64
+                                                         # (s,): the positions sample() draws for
+                                                         # n entries (written into out, an int64
+                                                         # (s,) tensor, when the backend can)
     def empty(self, n, dtype, like): raise NotImplementedError  # uninitialised (n,) tensor of
                                                          # dtype "float32", "int64" or "int32"
     def copy(self, x): raise NotImplementedError         # a new tensor equal to x (same dtype)
     def kernel_threads(self): return 1                   # threads the kernels may use (as many
                                                          # as the framework's own CPU ops)
+    def split(self, x, sizes):                           # consecutive views of x of these sizes
+        out, a = [], 0                                   # (sum(sizes) == numel(x))
+        for n in sizes:
+            out.append(self.slice(x, a, a + n))
+            a += n
+        return out
 
 
 class NumpyBackend(Backend):
@@ -215,7 +223,8 @@ class NumpyBackend(Backend):
                                           rng.standard_normal(4099).astype(np.float32))
         return self._fma
 
-    def sample_positions(self, n, s, generator): return generator.integers(0, n, size=s)
+    def sample_positions(self, n, s, generator, out=None):
+        return generator.integers(0, n, size=s)
     def empty(self, n, dtype, like=None): return np.empty(n, dtype=self._DTYPES[dtype])
     def copy(self, x): return x.copy()
 

@@ -12,7 +12,9 @@ On CPU tensors (NumPy, or torch in host memory) the sparse branch of compress ru
 of the fused C kernels of :mod:`dgc_horovod.core.kernels` (one memory pass for the accumulation,
 the selection and encoding on the few candidates) instead of ~40 tensor ops; CUDA tensors,
 TensorFlow, or ``DGCCore.use_kernels = False`` use the tensor ops of :mod:`accumulate`,
-:mod:`sparsify` and :mod:`wire`. Both paths give bit-identical results.
+:mod:`sparsify` and :mod:`wire`. Both paths give bit-identical results. :meth:`DGCCore.compress_many`
+compresses a bucket of tensors in one batch-kernel call (same results as one compress per tensor,
+with far less per-tensor overhead, spread over threads).
 
 Tensors smaller than ``min_sparse_numel`` skip selection: their momentum-corrected velocity
 (u, or g + m·u with Nesterov) goes through Horovod's dense allreduce, which by linearity gives
@@ -88,6 +90,28 @@ class SparseContext:
     def __init__(self, name, numel, indices, values, u_sent):
         self.name, self.numel = name, numel
         self.indices, self.values, self.u_sent = indices, values, u_sent
+
+
+class _BatchContext(SparseContext):
+    """A SparseContext of :meth:`DGCCore.compress_many` whose indices, values and u_sent are
+    views of the batch's buffers, made when first read (decompress reads them only to restore
+    the residual after a non-finite step)."""
+
+    __slots__ = ("_batch", "_start", "_count", "_masked", "_views")
+
+    def __init__(self, name, numel, batch, start, count, masked):
+        self.name, self.numel = name, numel
+        self._batch, self._start, self._count, self._masked = batch, start, count, masked
+        self._views = None
+
+    def _get(self, i):
+        if self._views is None:
+            self._views = self._batch.views(self._start, self._count, self._masked)
+        return self._views[i]
+
+    indices = property(lambda self: self._get(0))
+    values = property(lambda self: self._get(1))
+    u_sent = property(lambda self: self._get(2))
 
 
 class DGCCore:
@@ -309,6 +333,40 @@ class DGCCore:
             s.compress_seconds += seconds
             s.density = density
 
+    def _count_finished(self, rows, density):
+        """:meth:`_count` for rows [(st, selected, wire_bytes, seconds)] of sparsified, finite
+        tensors, in order: the same counters, added once per step instead of once per tensor."""
+        names, seg = self._step_names, []
+        for row in rows:
+            name = row[0].name
+            if name in names:                      # a tensor seen again: a new step has begun
+                self._add_counts(seg, density)
+                seg = []
+                names.clear()
+                self.step_stats = CompressionStats()
+            if not names:
+                self.step_stats.steps = 1
+                self.total_stats.steps += 1
+            names.add(name)
+            seg.append(row)
+        self._add_counts(seg, density)
+
+    def _add_counts(self, seg, density):
+        if not seg:
+            return
+        n = sum(r[0].numel for r in seg)
+        selected, wire_bytes = sum(r[1] for r in seg), sum(r[2] for r in seg)
+        seconds = sum(r[3] for r in seg)
+        for s in (self.step_stats, self.total_stats):
+            s.tensors += len(seg)
+            s.sparse_tensors += len(seg)
+            s.elements += n
+            s.selected += selected
+            s.wire_bytes += wire_bytes
+            s.dense_bytes += 4 * n
+            s.compress_seconds += seconds
+            s.density = density
+
     # ----------------------------------------------------------------- compress / decompress
     def compress(self, name, grad, world_size, param=None):
         """Accumulate a local gradient and produce what goes on the wire.
@@ -331,41 +389,160 @@ class DGCCore:
                             f"got dtype {getattr(grad, 'dtype', type(grad))}")
         t0 = time.perf_counter()
         with self._lock:
-            st = self._state(name, grad)
-            g = B.float32_view(grad)                  # read only from here on
-            plan = st.plan if self.use_kernels else False
-            if plan and (plan.u is not st.u or plan.v is not st.v):
-                plan = None                           # the state tensors were replaced
-            if plan is None and st.sparse:
-                plan = self._plan(st, g)
-            gp = B.kernel_ptr(g) if plan else None
-            threads = B.kernel_threads() if gp is not None else 1
-            if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
-                    else B.all_finite(g)):
-                if st.sparse:
-                    out = self._encode(st.numel, B.empty_indices(like=g), B.zeros(0, like=g),
-                                       wire.FLAG_NONFINITE)
-                    result = ("sparse", out, SparseContext(name, st.numel, None, None, None))
-                    nbytes = 4 * B.numel(out) + PLACEHOLDER_BYTES
-                else:
-                    result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
-                self._count(st, 0, nbytes, True, time.perf_counter() - t0)
-                return result
-            if gp is not None:
-                return self._compress_fused(st, plan, g, gp, world_size, param, t0, threads)
-            scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
-            if c.weight_decay:
-                g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
-                scale = 1.0
-            if not st.sparse:
-                v = B.zeros(st.numel, like=g)
-                momentum_correction(B, st.u, v, g, c.momentum, c.nesterov, scale)
-                self._count(st, 0, 4 * st.numel, False, time.perf_counter() - t0)
-                return "dense", v, None
-            momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov, scale)
-            k = k_for(st.numel, self.density)
-            idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
-            return self._finish_ops(st, idx, t0)
+            return self._compress_locked(name, grad, world_size, param, t0)
+
+    def _usable_plan(self, st, g):
+        """st's kernels.Plan when the fused path applies to it now, else False/None."""
+        plan = st.plan if self.use_kernels else False
+        if plan and (plan.u is not st.u or plan.v is not st.v):
+            plan = None                           # the state tensors were replaced
+        if plan is None and st.sparse:
+            plan = self._plan(st, g)
+        return plan
+
+    def _compress_locked(self, name, grad, world_size, param, t0):
+        """The body of :meth:`compress` (self._lock held)."""
+        B, c = self.B, self.config
+        st = self._state(name, grad)
+        g = B.float32_view(grad)                  # read only from here on
+        plan = self._usable_plan(st, g)
+        gp = B.kernel_ptr(g) if plan else None
+        threads = B.kernel_threads() if gp is not None else 1
+        if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
+                else B.all_finite(g)):
+            if st.sparse:
+                out = self._encode(st.numel, B.empty_indices(like=g), B.zeros(0, like=g),
+                                   wire.FLAG_NONFINITE)
+                result = ("sparse", out, SparseContext(name, st.numel, None, None, None))
+                nbytes = 4 * B.numel(out) + PLACEHOLDER_BYTES
+            else:
+                result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
+            self._count(st, 0, nbytes, True, time.perf_counter() - t0)
+            return result
+        if gp is not None:
+            return self._compress_fused(st, plan, g, gp, world_size, param, t0, threads)
+        scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
+        if c.weight_decay:
+            g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
+            scale = 1.0
+        if not st.sparse:
+            v = B.zeros(st.numel, like=g)
+            momentum_correction(B, st.u, v, g, c.momentum, c.nesterov, scale)
+            self._count(st, 0, 4 * st.numel, False, time.perf_counter() - t0)
+            return "dense", v, None
+        momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov, scale)
+        k = k_for(st.numel, self.density)
+        idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
+        return self._finish_ops(st, idx, t0)
+
+    def compress_many(self, entries, world_size):
+        """Compress several gradients at once (a bucket): the same results, state and random
+        draws as ``[self.compress(name, grad, world_size, param) for name, grad, param in
+        entries]``, but on the fused path one kernel call does every sparsified tensor's
+        finiteness check and one more does the accumulation, selection and encoding, spread over
+        the backend's threads (:class:`kernels.Batch`). Tensors the fused path does not cover
+        (dense, CUDA, float16 wire values, non-finite, ...) run as in :meth:`compress`.
+
+        Args:
+            entries: sequence of (name, grad, param) tuples (param None unless weight_decay > 0);
+                names must be distinct.
+            world_size (int): N, ranks taking part.
+        Returns:
+            list of the :meth:`compress` results, in the order of ``entries``. The statistics'
+            compress_seconds of the batched tensors is the batch's time shared by element count.
+        Raises:
+            TypeError / ValueError: as :meth:`compress` (a non-floating gradient, a changed size,
+            a repeated name); every entry is checked before any state changes.
+        """
+        entries = list(entries)
+        names = set()
+        for name, grad, _ in entries:
+            if name in names:
+                raise ValueError(f"compress_many: the tensor {name!r} appears twice")
+            names.add(name)
+            self._check_entry(name, grad)
+        if not self.use_kernels or len(entries) < 2:
+            return [self.compress(name, grad, world_size, param=param)
+                    for name, grad, param in entries]
+        B, c = self.B, self.config
+        t0 = time.perf_counter()
+        results = [None] * len(entries)
+        with self._lock:
+            density = self.density
+            threads = B.kernel_threads()
+            fused = {}                                   # entry index -> (st, plan, g, gp)
+            for i, (name, grad, _) in enumerate(entries):
+                st = self._state(name, grad)
+                if not st.sparse:
+                    continue
+                g = B.float32_view(grad)
+                plan = st.plan
+                if not (plan and plan.u is st.u and plan.v is st.v):
+                    plan = self._usable_plan(st, g)
+                if plan:
+                    gp = B.kernel_ptr(g)
+                    if gp is not None:
+                        fused[i] = (st, plan, g, gp)
+            finite = kernels.finite_many([(f[3], f[0].numel) for f in fused.values()], threads)
+            for i, ok in zip(list(fused), finite):
+                if not ok:
+                    del fused[i]
+            batch, rows = kernels.Batch(self, threads), []
+            # in entry order, so the random draws come in the order compress() makes them
+            for i, (name, grad, param) in enumerate(entries):
+                f = fused.get(i)
+                if f is None:
+                    results[i] = self._compress_locked(name, grad, world_size, param,
+                                                       time.perf_counter())
+                    continue
+                st, plan, g, gp = f
+                if density != plan.density:
+                    plan.set_density(B, st.numel, c, density)
+                scale = (1.0 if c.clip_norm is None
+                         else clip_by_local_norm(B, g, c.clip_norm, world_size))
+                if c.weight_decay:
+                    g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
+                    gp, scale = B.kernel_ptr(g), 1.0
+                rows.append(i)
+                batch.add(st, plan, g, gp, scale)
+            if not rows:
+                return results
+            batch.run(like=batch.rows[0][0].v)
+            share = (time.perf_counter() - t0) / sum(row[0].numel for row in batch.rows)
+            counted, finished, masked = [], batch.finished, batch.masking
+            for r, i in enumerate(rows):
+                done = finished.get(r)
+                if done is None:
+                    if counted:                  # keep the statistics in entry order
+                        self._count_finished(counted, density)
+                        counted = []
+                    st, plan, thr, cnt = batch.result(r)
+                    idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
+                    results[i] = self._fused_finish(st, plan, idx, time.perf_counter(), density)
+                    continue
+                st = batch.rows[r][0]
+                payload, start, count = done
+                counted.append((st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES,
+                                share * st.numel))
+                results[i] = ("sparse", payload, _BatchContext(st.name, st.numel, batch, start,
+                                                               count, masked))
+            if counted:
+                self._count_finished(counted, density)
+        return results
+
+    def _check_entry(self, name, grad):
+        """The argument checks of :meth:`compress`, without touching any state."""
+        B = self.B
+        if not B.is_floating(grad):
+            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
+                            f"got dtype {getattr(grad, 'dtype', type(grad))}")
+        st = self.states.get(name)
+        numel = B.numel(grad)
+        if st is None:
+            wire.check_numel(numel, name)
+        elif st.numel != numel:
+            raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
+                             f"created for {st.numel}")
 
     def _compress_fused(self, st, plan, g, gp, world_size, param, t0, threads):
         """The sparse branch of compress on the fused kernels (st.plan applies, g is finite)."""
@@ -374,6 +551,11 @@ class DGCCore:
         if density != plan.density:
             plan.set_density(B, st.numel, c, density)
         idx = kernels.accumulate_select(self, st, plan, g, gp, world_size, param, threads)
+        return self._fused_finish(st, plan, idx, t0, density)
+
+    def _fused_finish(self, st, plan, idx, t0, density):
+        """Gather, clear and encode idx after the fused accumulation and selection."""
+        B, c = self.B, self.config
         if c.wire_values != "float32":
             if c.wire_index == "delta16":
                 idx = B.sort(idx)

@@ -18,9 +18,16 @@ records the largest |v| of every 64-element block; the sampled threshold (§5) i
 largest |v| over the s sampled positions; only blocks whose maximum reaches it are read again for
 the candidates. Encoding (delta16 or int32 indices, float32 values), the gather of the sent
 values and the clearing of the sent positions (momentum factor masking, §3.2) are a second call.
+
+:meth:`DGCCore.compress_many` (a bucket of tensors; what the PyTorch adapter calls) uses the batch
+entry points instead: :func:`finite_many` checks every gradient of the bucket in one call, and
+:class:`Batch` runs one ``step_many`` call that updates, selects and encodes them all, spreading
+the work over a persistent pool of threads (chunks of 65,536 elements; a tensor of one chunk or
+less is finished by one task while it is in cache). Same arithmetic, same results.
 """
 import math
 import os
+from array import array
 
 from dgc_horovod.core import wire
 from dgc_horovod.core.accumulate import add_weight_decay, clip_by_local_norm
@@ -31,7 +38,8 @@ try:
 except ImportError:          # not built (e.g. a source tree without a C compiler)
     _kernels = None
 
-__all__ = ["available", "calibrate", "Plan", "all_finite", "accumulate_select", "finish"]
+__all__ = ["available", "calibrate", "Plan", "all_finite", "accumulate_select", "select_rest",
+           "finish", "finite_many", "Batch"]
 
 #: Set ``DGC_KERNELS=0`` to force the tensor-op path everywhere (read at import).
 ENABLED = os.environ.get("DGC_KERNELS", "1").strip() not in ("0", "false", "False", "no")
@@ -93,7 +101,7 @@ class Plan:
     """
 
     __slots__ = ("fma", "mode", "density", "k", "s", "ks", "sampled", "cap", "cidx", "cmag",
-                 "u", "v", "up", "vp", "cidx_p", "cmag_p", "max_tokens")
+                 "u", "v", "up", "vp", "cidx_p", "cmag_p", "max_tokens", "pos")
 
     def __init__(self, B, st, config, fma, density):
         self.fma = fma
@@ -104,6 +112,7 @@ class Plan:
         n = st.numel
         self.max_tokens = n // wire._ESCAPE + 1     # escape tokens of a delta16 payload, at most
         self.cidx = self.cmag = None
+        self.pos = None             # int64 buffer the sample positions are drawn into
         self.set_density(B, n, config, density)
 
     def set_density(self, B, n, config, density):
@@ -115,6 +124,8 @@ class Plan:
             self.s = self.ks = self.cap = 0
             return
         s = self.s = min(n, max(MIN_SAMPLES, math.ceil(config.sample_ratio * n)))
+        if self.pos is None or B.numel(self.pos) != s:
+            self.pos = B.empty(s, "int64", like=self.v)
         self.ks = min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
         # about ks·n/s candidates are expected; more than 2x that is rare and only costs a rescan
         cap = min(n, 2 * math.ceil(self.ks * n / s) + 2 * k + 64)
@@ -159,14 +170,26 @@ def accumulate_select(core, st, plan, g, gp, world_size, param, threads=1):
         _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum, scale,
                       0, 0, 0, 0, 0, 0, threads)
         return select_topk(B, st.v, plan.k, c.sample_ratio, True, core._generator)
-    pos = B.sample_positions(n, plan.s, core._generator)
+    pos = B.sample_positions(n, plan.s, core._generator, plan.pos)
     k = plan.k
     out = B.empty(k, "int64", like=st.v) if c.wire_index == "delta16" else None
     thr, cnt, nsel = _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum,
                                    scale, B.kernel_ptr(pos), plan.s, plan.ks, plan.cidx_p,
                                    plan.cmag_p, plan.cap, threads, k,
                                    0 if out is None else B.kernel_ptr(out))
-    if nsel >= 0:                                      # the kernel selected (ascending)
+    return select_rest(core, st, plan, thr, cnt, nsel, out)
+
+
+def select_rest(core, st, plan, thr, cnt, nsel, out):
+    """The selection after the kernel's step: the kernel's own (nsel >= 0: ``out`` holds it) or,
+    from its threshold ``thr`` and candidate count ``cnt``, the backend's exact top-k among the
+    candidates (count > k, or ties), over v (fewer than k/2 candidates), or a rescan of v (more
+    candidates than the plan's buffers hold). Returns the int64 index tensor (see
+    :func:`accumulate_select`)."""
+    B, k = core.B, plan.k
+    if not plan.sampled:
+        return select_topk(B, st.v, k, core.config.sample_ratio, True, core._generator)
+    if nsel >= 0 and out is not None:                  # the kernel selected (ascending)
         return out if nsel == k else B.slice(out, 0, nsel)
     if cnt > plan.cap:                                 # too many to keep: find them again
         mag = B.abs(st.v)
@@ -210,3 +233,123 @@ def finish(core, st, plan, idx):
                             B.kernel_ptr(vals), 0 if u_sent is None else B.kernel_ptr(u_sent),
                             B.kernel_ptr(payload), cap_words, st.numel, 0)
     return B.slice(payload, 0, words), vals, u_sent
+
+
+def finite_many(tensors, threads=1):
+    """[True if float32 tensor i has no NaN/Inf] for tensors = [(address, numel), ...]: one
+    kernel call, split in chunks of 65,536 elements over up to ``threads`` threads."""
+    desc = array("q")
+    for gp, n in tensors:
+        desc.extend((gp, n, 0))
+    _kernels.finite_many(desc.buffer_info()[0], len(tensors), threads)
+    return [bool(desc[3 * i + 2]) for i in range(len(tensors))]
+
+
+# the row layout of _kernels.step_many (the F_* and D_* enums of _kernels.c)
+_NF, _F_COUNT, _F_NSEL, _F_WORDS = 24, 21, 22, 23
+_ND, _D_THR = 3, 2
+
+
+class Batch:
+    """One call of the batch kernel for the sparsified tensors of a bucket (fused path).
+
+    :meth:`add` a row per tensor (in the order of compress_many's entries), then :meth:`run`:
+    the kernel updates every tensor's u and v, estimates each threshold, selects and, for the
+    rows it can finish (delta16 indices, float32 values, a unique top-k set), gathers, clears and
+    encodes — the same arithmetic as :func:`accumulate_select` + :func:`finish` per tensor, so the
+    same results. Work is spread over up to ``threads`` threads by chunks of 65,536 elements.
+    After :meth:`run`, ``finished`` maps a row to (payload, start, count): its payload, and where
+    its selected positions, values and velocities lie in the batch buffers ``out``, ``vals`` and
+    ``usent`` (see :meth:`views`).
+    """
+
+    def __init__(self, core, threads):
+        self.core, self.threads = core, threads
+        c = core.config
+        self.finish_here = c.wire_index == "delta16" and c.wire_values == "float32"
+        self.masking = c.momentum_masking and c.momentum > 0
+        self.rows = []          # (st, plan, g, scale, pos, k, cap_words) per row
+        self.desc, self.fdesc = array("q"), array("d")
+        self.k_total = self.w_total = 0
+        self.finished = {}
+
+    def add(self, st, plan, g, gp, scale):
+        """A finite gradient g (flat float32, pointer gp) of st, clipping scale already applied
+        for weight decay (see accumulate_select). Draws the row's sample positions now."""
+        core = self.core
+        B = core.B
+        n = st.numel
+        if plan.sampled:
+            pos = B.sample_positions(n, plan.s, core._generator, plan.pos)
+            pp = B.kernel_ptr(pos)
+            if self.finish_here:             # the kernel may finish it: regions of k entries
+                k = plan.k
+                cap_words = wire.HEADER_WORDS + k + (k + plan.max_tokens + 1) // 2
+                # until run() has the buffers: out = offset into out/vals/usent (entries),
+                # vals = offset into payload (words), usent = the masking flag, payload = -1
+                self.desc.extend((gp, plan.up, plan.vp, n, plan.mode, plan.fma, pp, plan.s,
+                                  plan.ks, plan.cidx_p, plan.cmag_p, plan.cap, k, self.k_total,
+                                  self.w_total, int(self.masking), int(self.masking), -1,
+                                  cap_words, 1, 0, 0, 0, 0))
+                self.k_total += k
+                self.w_total += cap_words
+            else:
+                self.desc.extend((gp, plan.up, plan.vp, n, plan.mode, plan.fma, pp, plan.s,
+                                  plan.ks, plan.cidx_p, plan.cmag_p, plan.cap,
+                                  0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0))
+        else:
+            pos = None
+            self.desc.extend((gp, plan.up, plan.vp, n, plan.mode, plan.fma,
+                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0))
+        self.fdesc.extend((core.config.momentum, scale, 0.0))
+        self.rows.append((st, plan, g, pos))
+
+    def run(self, like):
+        """Run the kernel (state changes here). Raises ValueError/MemoryError on a kernel error
+        (bad arguments: a bug, not a user error)."""
+        B = self.core.B
+        nrows = len(self.rows)
+        d = self.desc
+        kt, wt = max(self.k_total, 1), max(self.w_total, 1)
+        self.out = B.empty(kt, "int64", like=like)
+        self.vals = B.empty(kt, "float32", like=like)
+        self.usent = B.empty(kt, "float32", like=like) if self.masking else None
+        self.payload = B.empty(wt, "int32", like=like)
+        po, pv, pp = B.kernel_ptr(self.out), B.kernel_ptr(self.vals), B.kernel_ptr(self.payload)
+        pu = B.kernel_ptr(self.usent) if self.masking else 0
+        if self.k_total:
+            for base in range(0, nrows * _NF, _NF):
+                if d[base + 12]:             # a row the kernel may finish: offsets -> addresses
+                    ko, wo = d[base + 13], d[base + 14]
+                    d[base + 13], d[base + 14] = po + 8 * ko, pv + 4 * ko
+                    d[base + 15] = pu + 4 * ko if d[base + 15] else 0
+                    d[base + 17] = pp + 4 * wo
+        _kernels.step_many(d.buffer_info()[0], self.fdesc.buffer_info()[0], nrows, self.threads,
+                           po, pv, pu, pp)
+        if not self.k_total:
+            return
+        done, words, start = [], [], 0
+        for r in range(nrows):
+            base = r * _NF
+            if d[base + 17] and d[base + _F_NSEL] >= 0:
+                count = d[base + _F_NSEL]
+                done.append((r, start, count))
+                words.append(d[base + _F_WORDS])
+                start += count
+        if done:
+            nwords = sum(words)
+            pays = B.split(self.payload, words + [wt - nwords])
+            self.finished = {r: (pays[j], a, cnt) for j, (r, a, cnt) in enumerate(done)}
+
+    def views(self, start, count, masked):
+        """(indices, values, u_sent) of a finished row: views of the batch buffers."""
+        B = self.core.B
+        end = start + count
+        return (B.slice(self.out, start, end), B.slice(self.vals, start, end),
+                B.slice(self.usent, start, end) if masked else None)
+
+    def result(self, r):
+        """(st, plan, thr, cnt): thr, the row's threshold, and cnt, its candidate count, for
+        :func:`select_rest` when the kernel did not finish it."""
+        st, plan = self.rows[r][:2]
+        return st, plan, self.fdesc[r * _ND + _D_THR], self.desc[r * _NF + _F_COUNT]

@@ -141,13 +141,17 @@ class TorchBackend(Backend):
                                           torch.randn(4099, generator=gen))
         return self._fma
 
-    def sample_positions(self, n, s, generator):
-        return torch.randint(n, (s,), generator=generator)      # the positions sample() draws
+    def sample_positions(self, n, s, generator, out=None):
+        # the positions sample() draws (random_ into a reused buffer draws the same values)
+        if out is not None and out.numel() == s:
+            return out.random_(0, n, generator=generator)
+        return torch.randint(n, (s,), generator=generator)
 
     def empty(self, n, dtype, like): return torch.empty(n, dtype=self._DTYPES[dtype],
                                                         device=like.device)
     def copy(self, x): return x.clone()
     def kernel_threads(self): return torch.get_num_threads()    # torch's intra-op threads
+    def split(self, x, sizes): return torch.split(x, sizes)
 
 
 _UNKNOWN = object()
