@@ -96,3 +96,47 @@ def test_adasum_and_a_shared_dgc_object_are_refused(run):
     r = run[0]["misuse"]
     assert r["adasum"] is not None and "Adasum" in r["adasum"], r["adasum"]
     assert r["shared"] is not None and "two DistributedOptimizers" in r["shared"], r["shared"]
+
+
+BUCKETS = {   # the sparsified members of each bucket, in member order (see torch_worker.Net)
+    "default": [["aux.weight", "fc2.weight", "fc1.weight"]],         # biases dense, one bucket
+    "small_buckets": [["aux.bias", "aux.weight", "fc2.bias", "fc2.weight"],
+                      ["fc1.bias", "fc1.weight"]],                    # bucket_numel=1500
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BUCKETS))
+def test_each_bucket_is_compressed_in_one_compress_many_call_per_step(run, variant):
+    runs = run[0]["compress_many"]
+    r = runs[variant]
+    per_step = {}
+    for call in r["calls"]:
+        per_step.setdefault(call["step"], []).append(call["names"])
+    assert sorted(per_step) == list(range(20))
+    for step, calls in per_step.items():
+        assert sorted(calls) == sorted(BUCKETS[variant]), f"step {step}: {calls}"
+    # no sparsified tensor is compressed one by one; the dense ones are, once per step each
+    assert not set(r["direct"]) & set(r["sparse"]), r["direct"]
+    assert r["direct_count"] == 20 * len(r["direct"])
+    assert runs[variant + "_per_tensor"]["calls"] == []     # bucket_numel=0: compress per tensor
+    # a bucket whose members all have a gradient is compressed (and sent) during backward; aux.*
+    # have none on odd steps: Horovod hands DGC their zeros in synchronize, which completes it
+    for call in r["calls"]:
+        late = call["step"] % 2 == 1 and "aux.weight" in call["names"]
+        assert call["where"] == ("synchronize" if late else "backward"), call
+
+
+@pytest.mark.parametrize("variant", sorted(BUCKETS))
+def test_bucketed_training_equals_per_tensor_mode_bit_for_bit(run, variant):
+    # exact top-k: the results do not depend on the order tensors are compressed in
+    runs = run[0]["compress_many"]
+    r = runs[variant]
+    assert r["identical"] and runs[variant + "_per_tensor"]["identical"], "ranks diverged"
+    assert r["steps_counted"] == 20
+    assert r["equals_per_tensor"], f"max |difference| {r['max_diff_per_tensor']}"
+
+
+def test_bucketed_sampled_selection_trains_identically_on_every_rank(run):
+    r = run[0]["compress_many"]["default_sampled"]
+    assert r["identical"] and r["steps_counted"] == 20
+    assert [len(c["names"]) for c in r["calls"]] == [3] * 20

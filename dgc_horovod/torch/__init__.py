@@ -27,15 +27,18 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   ``backward_passes_per_step > 1`` (compress runs once, on the accumulated gradient), and for
   parameters without a gradient in a step (Horovod hands DGC zeros; DGC then only decays the
   velocity). Called from anywhere else, DGC raises a RuntimeError saying how to use it.
-* **Exchange.** For a sparsified tensor, ``compress`` accumulates, selects, encodes, hands the
-  payload to :mod:`dgc_horovod.torch.exchange` (one ``hvd.allgather_async`` per bucket of
-  parameters, started as soon as the bucket is complete, so it overlaps with the rest of
-  backward; or one per tensor, named ``dgc.<parameter name>``, with ``bucket_numel=0``), and
-  returns a 1-element zero placeholder: Horovod's own allreduce then carries 4 bytes for it.
-  ``decompress`` waits for the allgather, sums every rank's
+* **Exchange.** A sparsified tensor travels by :mod:`dgc_horovod.torch.exchange`, and
+  ``compress`` returns a 1-element zero placeholder for it: Horovod's own allreduce then carries
+  4 bytes. With buckets (the default), ``compress`` only checks the gradient and records it in
+  its bucket of parameters; when the bucket's last sparsified member arrives, the bucket is
+  accumulated, selected and encoded in one ``DGCCore.compress_many`` call and its one
+  ``hvd.allgather_async`` starts, overlapping with the rest of backward (a bucket still
+  incomplete when Horovod synchronizes is compressed and sent then). With ``bucket_numel=0``,
+  ``compress`` compresses the tensor at once and starts its own allgather, named
+  ``dgc.<parameter name>``. ``decompress`` waits for the allgather, sums every rank's
   entries in rank order (bit-identical on every rank) and divides by the world size for
-  ``op=hvd.Average``. Tensors below ``min_sparse_numel`` go through Horovod's dense allreduce as
-  their momentum-corrected velocity.
+  ``op=hvd.Average``. Tensors below ``min_sparse_numel`` are compressed at once and go through
+  Horovod's dense allreduce as their momentum-corrected velocity.
 * **Horovod Elastic.** Pass the DGC object to ``hvd.elastic.TorchState(model, optimizer,
   dgc=dgc, ...)``: :mod:`dgc_horovod.torch.elastic` registers a state handler with Horovod, so
   ``state.commit()`` saves the compressor state with the model, a HorovodInternalError restores
@@ -129,7 +132,11 @@ def _owns(p, tensor):
 
 
 class _Pending:
-    """ctx of a sparsified tensor between compress and decompress."""
+    """ctx of a sparsified tensor between compress and decompress.
+
+    In bucketed mode ``handle`` (the exchange ticket) and ``core_ctx`` (the core's
+    SparseContext) are filled in by the exchange, the latter when the bucket is compressed.
+    """
 
     __slots__ = ("handle", "core_ctx", "shape", "dtype", "world_size", "average")
 
@@ -200,8 +207,13 @@ class DGC(DGCAdapter, Compressor):
         """Accumulate ``tensor`` (a parameter's gradient) and start its exchange.
 
         Returns (tensor for Horovod's allreduce, ctx): a 1-element zero placeholder for a
-        sparsified tensor (its payload is already on its way by allgather), or the dense
-        momentum-corrected velocity for a small tensor.
+        sparsified tensor, or the dense momentum-corrected velocity for a small tensor.
+
+        A sparsified tensor is compressed at once with ``bucket_numel=0`` (its payload then goes
+        out by its own allgather). In bucketed mode it is only checked and recorded here; its
+        bucket is compressed in one ``DGCCore.compress_many`` call when its last sparsified
+        member arrives (in that member's compress) or, if still incomplete, when Horovod
+        synchronizes (in decompress), and then allgathered.
         """
         opt, p, name = _find_parameter(tensor, self)
         self._follow_horovod()
@@ -209,14 +221,26 @@ class DGC(DGCAdapter, Compressor):
             self._check(opt, p, name)
         process_set = opt.process_set
         world = process_set.size()
+        average = opt.op == hvd.Average
+        exchange = self._exchange
+        if exchange.bucketed and tensor.numel() >= self.config.min_sparse_numel:
+            # Deferring is safe: Horovod calls compress from the gradient hook once the gradient
+            # is final (with backward_passes_per_step > 1 on the last pass, after accumulation;
+            # with zero_grad(set_to_none=True) or False alike, the .grad it hands over is not
+            # written again before synchronize(), which decompresses, and so compresses, it
+            # first). The tensor (a to_dense() copy for sparse_as_dense) is kept in the launch.
+            self._core._check_entry(name, tensor)
+            ctx = _Pending(None, None, tensor.shape, tensor.dtype, world, average)
+            exchange.defer(opt, name, tensor, p.detach(), process_set, ctx)
+            return tensor.new_zeros(1, dtype=torch.float32), ctx
         kind, out, core_ctx = self._core.compress(name, tensor, world, param=p.detach())
         # Both go through Horovod's allreduce as float32 (what the statistics count), whatever
         # the gradient's dtype: Horovod's torch collectives have no bfloat16, and a float16
         # placeholder would make the counted wire bytes wrong. decompress casts back.
         if kind == "dense":
             return out.view(tensor.shape), (tensor.shape, tensor.dtype)
-        ticket = self._exchange.send(opt, name, out, process_set)
-        ctx = _Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, opt.op == hvd.Average)
+        ticket = exchange.send(name, out, process_set)
+        ctx = _Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average)
         return tensor.new_zeros(1, dtype=torch.float32), ctx
 
     def decompress(self, tensor, ctx):

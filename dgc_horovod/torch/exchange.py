@@ -3,9 +3,13 @@
 Buckets (``DGCConfig.bucket_numel > 0``): the optimizer's parameters, in reverse registration
 order (roughly the order backward produces their gradients), are cut into consecutive groups of
 about ``bucket_numel`` dense elements. The plan depends only on the model, so it is the same on
-every rank. A bucket's allgather (named ``dgc.bucket.<first member's name>``) starts as soon as
-all its members are compressed, overlapping with the rest of backward; a bucket still incomplete
-when Horovod synchronizes (a parameter without a compressed gradient this step) starts then.
+every rank. A sparsified gradient is recorded in its bucket when Horovod hands it to
+``compress``; when the bucket's last sparsified member has arrived (members below
+``min_sparse_numel`` go through Horovod's dense allreduce and are not waited for), the recorded
+gradients are compressed in one ``DGCCore.compress_many`` call, in member order, and the
+bucket's allgather (named ``dgc.bucket.<first member's name>``) starts, overlapping with the
+rest of backward. A bucket still incomplete when Horovod synchronizes (a parameter without a
+compressed gradient this step) is compressed and started then.
 The framing is :func:`dgc_horovod.core.wire.frame_bucket`. When the plan is made (the first
 step), the ranks compare their trainable parameters once and raise a ValueError naming the first
 difference, instead of hanging on collectives that never match.
@@ -22,19 +26,30 @@ __all__ = ["Exchange"]
 
 
 class _Launch:
-    """One bucket's payloads of one step, and its allgather once started."""
+    """One bucket's sparsified gradients of one step, and its allgather once started.
 
-    __slots__ = ("entries", "handle", "parts")
+    ``entries`` maps a member index to (name, gradient, parameter, [pending ctxs]) until the
+    launch is compressed (the tensors are kept alive until then); ``handle`` is the allgather;
+    ``error`` what compressing or starting it raised, if it failed.
+    """
+
+    __slots__ = ("entries", "world_size", "handle", "parts", "error")
 
     def __init__(self):
-        self.entries, self.handle, self.parts = {}, None, None
+        self.entries, self.world_size = {}, None
+        self.handle = self.parts = self.error = None
 
 
 class _Bucket:
-    __slots__ = ("name", "members", "current")
+    """``members``: every trainable parameter of the bucket, by name (the plan, what the frame's
+    member indices refer to); ``expected``: how many of them are sparsified, i.e. send a payload
+    (the others go through Horovod's dense allreduce and never join the bucket)."""
 
-    def __init__(self, name, members):
-        self.name, self.members, self.current = name, members, _Launch()
+    __slots__ = ("name", "members", "expected", "current")
+
+    def __init__(self, name, members, expected):
+        self.name, self.members, self.expected = name, members, expected
+        self.current = _Launch()
 
 
 def _check_same_model(opt, params):
@@ -65,8 +80,14 @@ def _check_same_model(opt, params):
 class Exchange:
     """Sends each rank's payloads by Horovod allgather and hands back what every rank sent.
 
+    Per-tensor mode (``bucket_numel=0``): :meth:`send` starts the allgather of a payload the
+    caller compressed. Bucketed mode: :meth:`defer` records a sparsified gradient in its bucket;
+    when the bucket's last sparsified member arrives, or when :meth:`receive` finds the bucket
+    incomplete at synchronize time, the recorded gradients are compressed in one
+    ``DGCCore.compress_many`` call (in member order), framed and allgathered.
+
     Args:
-        core (DGCCore): for the backend and to count framing bytes in the statistics.
+        core (DGCCore): compresses the buckets; its backend; counts framing bytes in the stats.
         bucket_numel (int): dense elements per bucket; 0 = one allgather per tensor.
     """
 
@@ -74,10 +95,15 @@ class Exchange:
         self._core, self._bucket_numel = core, bucket_numel
         self._plans = {}                 # id(optimizer) -> (optimizer, {name: (bucket, member)})
         self._lock = threading.Lock()
-        self._outstanding = 0            # payloads sent whose result was not received yet
+        self._outstanding = 0            # tensors sent or deferred whose result was not received
+
+    @property
+    def bucketed(self):
+        """True when sparsified tensors travel in buckets (bucket_numel > 0)."""
+        return self._bucket_numel > 0
 
     def busy(self):
-        """True between a payload's send and its receive (a step in progress)."""
+        """True between a tensor's send (or defer) and its receive (a step in progress)."""
         return self._outstanding > 0
 
     def _plan(self, opt):
@@ -86,43 +112,84 @@ class Exchange:
             params = [p for group in opt.param_groups for p in group["params"]
                       if p.requires_grad][::-1]
             _check_same_model(opt, params)
-            plan, members, size = {}, [], 0
+            sparse_from = self._core.config.min_sparse_numel
+            plan, members, size, expected = {}, [], 0, 0
             for i, p in enumerate(params):
                 members.append(opt._parameter_names[p])
                 size += p.numel()
+                expected += int(p.numel() >= sparse_from)
                 if size >= self._bucket_numel or i == len(params) - 1:
-                    bucket = _Bucket("dgc.bucket." + members[0], members)
+                    bucket = _Bucket("dgc.bucket." + members[0], members, expected)
                     plan.update({n: (bucket, m) for m, n in enumerate(members)})
-                    members, size = [], 0
+                    members, size, expected = [], 0, 0
             entry = self._plans[id(opt)] = (opt, plan)
         return entry[1]
 
-    def send(self, opt, name, payload, process_set):
-        """Start (or join a bucket for) the allgather of ``payload``; returns a ticket."""
-        if self._bucket_numel == 0:
-            handle = hvd.allgather_async(payload, name="dgc." + name, process_set=process_set)
-            with self._lock:
-                self._outstanding += 1
-            return handle
+    def send(self, name, payload, process_set):
+        """Per-tensor mode: start the allgather of ``payload``; returns the ticket for receive."""
+        handle = hvd.allgather_async(payload, name="dgc." + name, process_set=process_set)
+        with self._lock:
+            self._outstanding += 1
+        return handle
+
+    def defer(self, opt, name, grad, param, process_set, pending):
+        """Bucketed mode: record a sparsified gradient (checked already) in its bucket.
+
+        ``pending`` is the tensor's ctx: its ``handle`` is set to the ticket for :meth:`receive`
+        now, its ``core_ctx`` when the bucket is compressed. ``grad`` and ``param`` are kept
+        until then. May compress and start the bucket (when this is its last member).
+        """
         bucket, member = self._plan(opt)[name]
         with self._lock:
             self._outstanding += 1
             launch = bucket.current
-            launch.entries[member] = payload
-            self._core.add_wire_bytes(4)                    # the member word
-            if len(launch.entries) == len(bucket.members):
+            pending.handle = (bucket, member, launch, process_set)
+            previous = launch.entries.get(member)
+            pendings = (previous[3] if previous is not None else []) + [pending]
+            launch.entries[member] = (name, grad, param, pendings)
+            launch.world_size = process_set.size()
+            if len(launch.entries) >= bucket.expected:
                 self._start(bucket, process_set)
-        return bucket, member, launch, process_set
 
     def _start(self, bucket, process_set):
+        """Compress the bucket's current launch, frame its payloads and start its allgather.
+
+        Runs under the lock: a concurrent defer or receive of the same bucket waits for it.
+        """
         launch, bucket.current = bucket.current, _Launch()
-        entries = sorted(launch.entries.items())
-        segment = wire.frame_bucket(self._core.B, entries, like=entries[0][1])
+        try:
+            self._compress_and_send(bucket, launch, process_set)
+        except BaseException as e:
+            launch.error = e        # the other members' receive raises it too (the same type:
+            raise                   # e.g. HorovodInternalError for hvd.elastic)
+
+    def _compress_and_send(self, bucket, launch, process_set):
+        members = sorted(launch.entries)
+        entries = [launch.entries[m] for m in members]
+        launch.entries = None                              # the gradients are not needed now
+        results = self._core.compress_many([(n, g, p) for n, g, p, _ in entries],
+                                           launch.world_size)
+        payloads = []
+        for (kind, payload, core_ctx), (name, _, _, pendings) in zip(results, entries):
+            if kind != "sparse":
+                raise RuntimeError(f"DGC: {name!r} was compressed as a dense tensor in bucket "
+                                   f"{bucket.name!r}")
+            for pending in pendings:
+                pending.core_ctx = core_ctx
+            payloads.append(payload)
+        framed = list(zip(members, payloads))
+        segment = wire.frame_bucket(self._core.B, framed, like=payloads[0])
         launch.handle = hvd.allgather_async(segment, name=bucket.name, process_set=process_set)
-        self._core.add_wire_bytes(wire.BUCKET_HEADER_BYTES)
+        # the member words and the header, counted after the payloads (compress_many counts a
+        # step's first tensor, which starts the step's statistics)
+        self._core.add_wire_bytes(4 * len(framed) + wire.BUCKET_HEADER_BYTES)
 
     def receive(self, ticket, world_size):
-        """(every rank's payloads for this tensor concatenated in rank order, how many)."""
+        """(every rank's payloads for this tensor concatenated in rank order, how many).
+
+        In bucketed mode, compresses and starts the tensor's bucket first if it is still
+        incomplete (a member without a gradient this step, e.g. a sparse-gradient embedding).
+        """
         if not isinstance(ticket, tuple):
             with self._lock:
                 self._outstanding -= 1
@@ -131,8 +198,9 @@ class Exchange:
         with self._lock:
             self._outstanding -= 1
             if launch.handle is None:                       # incomplete at synchronize time
-                if launch is bucket.current:
-                    self._start(bucket, process_set)
+                if launch.error is not None:               # compressing or sending it failed
+                    raise launch.error
+                self._start(bucket, process_set)
             if launch.parts is None:
                 launch.parts = wire.split_bucket(self._core.B, hvd.synchronize(launch.handle),
                                                  world_size, len(bucket.members), bucket.name)

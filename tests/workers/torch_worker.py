@@ -109,6 +109,78 @@ def scenario_identical(results, prefix_base):
     results["identical"] = out
 
 
+def _short(name):
+    """'cm.default.fc1.weight' -> 'fc1.weight'."""
+    return ".".join(name.split(".")[-2:])
+
+
+def scenario_compress_many(results, prefix_base):
+    """Bucketed mode compresses a bucket's sparsified gradients in one DGCCore.compress_many call
+    per bucket and step, and trains exactly like per-tensor mode (bucket_numel=0).
+
+    Records, per variant: every compress_many call (step, tensor names, whether it ran inside
+    Horovod's synchronize or during backward), the tensors compressed one by one outside
+    compress_many, and the final parameters' bytes, to compare with the per-tensor twin. The
+    selection is exact top-k here: sampled top-k draws from one generator shared by all tensors,
+    so its results depend on the order the tensors are compressed in, which bucketing changes.
+    """
+    variants = {   # name: (bucket_numel, min_sparse_numel, exact_topk)
+        "default": (2 ** 22, 1024, True), "default_per_tensor": (0, 1024, True),
+        "small_buckets": (1500, 1, True), "small_buckets_per_tensor": (0, 1, True),
+        "default_sampled": (2 ** 22, 1024, False),
+        "default_sampled_per_tensor": (0, 1024, False),
+    }
+    out, params = {}, {}
+    for name, (bucket_numel, min_sparse, exact) in variants.items():
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, exact_topk=exact,
+                  min_sparse_numel=min_sparse, bucket_numel=bucket_numel)
+        model, opt = make(f"{prefix_base}.{name}", dgc)
+        core, where, calls, direct, inside = dgc._core, ["backward"], [], [], [False]
+        step_no = [0]
+        many, single = core.compress_many, core.compress
+
+        def compress_many(entries, world_size):
+            entries = list(entries)
+            calls.append({"step": step_no[0], "where": where[0],
+                          "names": [_short(n) for n, _, _ in entries]})
+            inside[0] = True
+            try:
+                return many(entries, world_size)
+            finally:
+                inside[0] = False
+
+        def compress(tensor_name, *args, **kwargs):
+            if not inside[0]:
+                direct.append(_short(tensor_name))
+            return single(tensor_name, *args, **kwargs)
+
+        core.compress_many, core.compress = compress_many, compress
+        synchronize = opt.synchronize
+
+        def synchronize_marked():
+            where[0] = "synchronize"
+            try:
+                return synchronize()
+            finally:
+                where[0] = "backward"
+                step_no[0] += 1
+
+        opt.synchronize = synchronize_marked
+        train(model, opt)
+        params[name] = flat_params(model)
+        out[name] = {"identical": identical_across_ranks(model), "calls": calls,
+                     "direct": sorted(set(direct)), "direct_count": len(direct),
+                     "steps_counted": dgc.total_stats.steps,
+                     "sparse": sorted(_short(n) for n, s in dgc.states.items() if s.sparse)}
+    for name in variants:
+        if not name.endswith("_per_tensor"):
+            twin = name + "_per_tensor"
+            equal = bool(torch.equal(params[name], params[twin]))
+            out[name]["equals_per_tensor"] = equal
+            out[name]["max_diff_per_tensor"] = float((params[name] - params[twin]).abs().max())
+    results["compress_many"] = out
+
+
 def scenario_equivalence(results, prefix_base):
     """compress_ratio=1.0: DGC + plain SGD equals dense (momentum) SGD through Horovod."""
     out = {}
@@ -225,6 +297,7 @@ def main():
     torch.set_num_threads(1)
     results = {"size": hvd.size()}
     scenario_identical(results, "id")
+    scenario_compress_many(results, "cm")
     scenario_equivalence(results, "eq")
     scenario_wire(results, "wire")
     scenario_nonfinite(results, "nf")
