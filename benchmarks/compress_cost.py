@@ -2,17 +2,22 @@
 
 1. ResNet-50's 161 gradient tensors (25,557,032 elements, shapes from benchmarks/shapes.py):
    per step, accumulate + select + encode for all tensors (dgc_horovod.core.DGCCore on PyTorch
-   tensors, density 0.001, default settings; the fused C kernels, which are the default on CPU, and
-   the tensor-op path, DGCCore.use_kernels = False) against one plain memory pass over the same
+   tensors, density 0.001, default settings) against one plain memory pass over the same
    gradients (an in-place add of one gradient set into another), and against exact per-tensor
-   top-k (torch.topk) alone. Prints the ratios, once with 1 torch thread and once with torch's
-   default thread count (the kernels use as many threads as torch's intra-op pool).
+   top-k (torch.topk) alone. DGC is timed three ways: per bucket (DGCCore.compress_many on the
+   buckets the PyTorch adapter makes with the default bucket_numel = 2**22: what training runs),
+   one DGCCore.compress per tensor on the fused C kernels (the adapter with bucket_numel=0), and
+   on the tensor-op path (DGCCore.use_kernels = False: CUDA tensors, TensorFlow). Prints the
+   ratios, once with 1 torch thread and once with torch's default thread count (the kernels use
+   as many threads as torch's intra-op pool).
 2. Selection quality: the L1 mass captured by the sampled selection (DGCCore.compress, fused path)
    against the exact top-k of the same count, on Gaussian, Laplace, Student-t (3 dof) and
    tie-heavy gradients.
-3. Scale: cost per element of compress (fused path) on single tensors of 1e4 … 1e8 elements.
+3. Scale: cost per element of compress (fused path) for tensors of 1e4 … 1e8 elements, in
+   buckets as the adapter makes them (ceil(2**22 / n) tensors of n elements per compress_many
+   call, one tensor from 2**22 up) and with one compress() call per tensor.
 
-    python benchmarks/compress_cost.py [--repeats 5] [--max-elements 1e8]
+    python benchmarks/compress_cost.py [--repeats 9] [--max-elements 1e8]
 """
 import argparse
 import math
@@ -42,16 +47,54 @@ def timed(fn, repeats):
     return statistics.median(times)
 
 
+def interleaved(fns, repeats):
+    """Median time of each function and median of each one's ratio to the first, measured in
+    rounds (each round runs every function once, in order), so that a slow spell of a shared
+    machine affects all of them alike."""
+    for fn in fns:
+        fn()                                         # warm-up (allocations, first-touch)
+    rounds = []
+    for _ in range(repeats):
+        times = []
+        for fn in fns:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        rounds.append(times)
+    medians = [statistics.median(r[i] for r in rounds) for i in range(len(fns))]
+    ratios = [statistics.median(r[i] / r[0] for r in rounds) for i in range(len(fns))]
+    return medians, ratios
+
+
+def adapter_buckets(entries, bucket_numel=2 ** 22):
+    """The PyTorch adapter's bucket plan (dgc_horovod/torch/exchange.py): the parameters in
+    reverse registration order, cut into consecutive groups of about bucket_numel elements."""
+    buckets, current, size = [], [], 0
+    for entry in entries[::-1]:
+        current.append(entry)
+        size += entry[1].numel()
+        if size >= bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
 def resnet_cost(repeats, density, threads):
     torch.set_num_threads(threads)
     shapes = resnet50()
     grads = [torch.randn(math.prod(s)) for _, s in shapes]
     other = [torch.randn(g.numel()) for g in grads]
-    cores = []
-    for use_kernels in (True, False):
+    buckets = adapter_buckets([(name, g, None) for (name, _), g in zip(shapes, grads)])
+
+    def new_core(use_kernels=True):
         core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
         core.use_kernels = use_kernels and core.use_kernels
-        cores.append(core)
+        return core
+    batched, single, ops = new_core(), new_core(), new_core(False)
+
+    def compress_buckets():
+        for bucket in buckets:
+            batched.compress_many(bucket, world_size=8)
 
     def compress_all(core):
         for (name, _), g in zip(shapes, grads):
@@ -65,19 +108,24 @@ def resnet_cost(repeats, density, threads):
         for g in grads:
             torch.topk(g.abs(), k_for(g.numel(), density), sorted=False)
 
-    t_pass, t_dgc, t_ops, t_topk = (timed(f, repeats) for f in (
-        add_pass, lambda: compress_all(cores[0]), lambda: compress_all(cores[1]), exact_topk))
+    (t_pass, t_bucket, t_single, t_ops, t_topk), (_, r_bucket, r_single, r_ops, r_topk) = \
+        interleaved([add_pass, compress_buckets, lambda: compress_all(single),
+                     lambda: compress_all(ops), exact_topk], repeats)
     n = sum(g.numel() for g in grads)
-    fused = "fused C kernels" if cores[0].use_kernels else "KERNELS NOT BUILT: tensor ops"
+    fused = "fused C kernels" if single.use_kernels else "KERNELS NOT BUILT: tensor ops"
     print(f"ResNet-50 gradients: {len(grads)} tensors, {n:,} elements, density {density}, "
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    print("  (median of the times; ratio: median over the rounds of each round's time / that round's"
+          " memory pass)")
     print(f"  one memory pass (in-place add)   {1e3 * t_pass:8.1f} ms   1.00x")
-    print(f"  DGC accumulate+select+encode     {1e3 * t_dgc:8.1f} ms   {t_dgc / t_pass:5.2f}x"
-          f"   ({fused}, the default)")
-    print(f"  ... the same on tensor ops       {1e3 * t_ops:8.1f} ms   {t_ops / t_pass:5.2f}x"
+    print(f"  DGC per bucket (compress_many)   {1e3 * t_bucket:8.1f} ms   {r_bucket:5.2f}x"
+          f"   ({len(buckets)} buckets of 2**22 elements: the PyTorch adapter's default)")
+    print(f"  DGC one compress() per tensor    {1e3 * t_single:8.1f} ms   {r_single:5.2f}x"
+          f"   ({fused}; the adapter with bucket_numel=0)")
+    print(f"  ... the same on tensor ops       {1e3 * t_ops:8.1f} ms   {r_ops:5.2f}x"
           "   (DGCCore.use_kernels = False: CUDA, TensorFlow)")
-    print(f"  exact top-k per tensor (topk)    {1e3 * t_topk:8.1f} ms   {t_topk / t_pass:5.2f}x")
-    return t_dgc / t_pass
+    print(f"  exact top-k per tensor (topk)    {1e3 * t_topk:8.1f} ms   {r_topk:5.2f}x")
+    return r_bucket
 
 
 def make_dist(kind, n, rng):
@@ -116,24 +164,33 @@ def recall(n=1_000_000, density=0.001, seeds=5):
 
 
 def scaling(repeats, max_elements, density):
-    print(f"Cost per element of compress on one tensor (density {density}, "
-          f"torch threads {torch.get_num_threads()}):")
-    costs = []
+    print(f"Cost per element of compress (density {density}, torch threads "
+          f"{torch.get_num_threads()}): in buckets of 2**22 elements (compress_many, what the "
+          "adapter runs) and one compress() per tensor")
+    bucketed, single = [], []
     for e in range(4, int(round(math.log10(max_elements))) + 1):
         n = 10 ** e
-        g = torch.randn(n)
+        count = -(-2 ** 22 // n)                    # tensors per bucket
+        entries = [(f"w{i}", torch.randn(n), None) for i in range(count)]
         core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
-        t = timed(lambda: core.compress("w", g, world_size=8), max(1, repeats if e < 8 else 2))
-        costs.append(t / n)
-        print(f"  n=1e{e}: {1e3 * t:9.3f} ms  {1e9 * t / n:7.3f} ns/element")
-        del g, core
-    print(f"  max/min per-element cost: {max(costs) / min(costs):.2f}x")
-    return max(costs) / min(costs)
+        reps = max(1, repeats if e < 8 else 2)
+        t_bucket = timed(lambda: core.compress_many(entries, world_size=8), reps)
+        one = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
+        t_one = timed(lambda: one.compress("w", entries[0][1], world_size=8), reps)
+        bucketed.append(t_bucket / (n * count))
+        single.append(t_one / n)
+        print(f"  n=1e{e}: bucket of {count:>3} tensors {1e3 * t_bucket:9.3f} ms "
+              f"{1e9 * bucketed[-1]:7.3f} ns/element;  one tensor {1e3 * t_one:9.3f} ms "
+              f"{1e9 * single[-1]:7.3f} ns/element")
+        del entries, core, one
+    print(f"  max/min per-element cost: {max(bucketed) / min(bucketed):.2f}x in buckets, "
+          f"{max(single) / min(single):.2f}x one tensor per call")
+    return max(bucketed) / min(bucketed)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--max-elements", type=float, default=1e8)
     args = ap.parse_args()
