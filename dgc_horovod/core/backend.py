@@ -99,6 +99,9 @@ class Backend:
     def copy(self, x): raise NotImplementedError         # a new tensor equal to x (same dtype)
     def kernel_threads(self): return 1                   # threads the kernels may use (as many
                                                          # as the framework's own CPU ops)
+    def kernel_grad_ptr(self, x): return None            # address of x's data when x itself is
+                                                         # a float32 contiguous host tensor (no
+                                                         # view or copy made), else None
     def split(self, x, sizes):                           # consecutive views of x of these sizes
         out, a = [], 0                                   # (sum(sizes) == numel(x))
         for n in sizes:
@@ -209,6 +212,11 @@ class NumpyBackend(Backend):
 
     _DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32}
 
+    def kernel_grad_ptr(self, x):
+        if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous:
+            return x.ctypes.data
+        return None
+
     def kernel_ptr(self, x):
         if (isinstance(x, np.ndarray) and x.flags.c_contiguous
                 and x.dtype in (np.float32, np.int64, np.int32)):
@@ -224,6 +232,9 @@ class NumpyBackend(Backend):
         return self._fma
 
     def sample_positions(self, n, s, generator, out=None):
+        if out is not None and out.size == s:
+            out[:] = generator.integers(0, n, size=s)
+            return out
         return generator.integers(0, n, size=s)
     def empty(self, n, dtype, like=None): return np.empty(n, dtype=self._DTYPES[dtype])
     def copy(self, x): return x.copy()

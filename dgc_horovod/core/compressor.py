@@ -471,18 +471,27 @@ class DGCCore:
             density = self.density
             threads = B.kernel_threads()
             fused = {}                                   # entry index -> (st, plan, g, gp)
+            states = self.states
             for i, (name, grad, _) in enumerate(entries):
-                st = self._state(name, grad)
+                st = states.get(name)
+                if st is None:
+                    st = self._state(name, grad)
                 if not st.sparse:
                     continue
-                g = B.float32_view(grad)
                 plan = st.plan
                 if not (plan and plan.u is st.u and plan.v is st.v):
-                    plan = self._usable_plan(st, g)
-                if plan:
+                    plan = self._usable_plan(st, B.float32_view(grad))
+                    if not plan:
+                        continue
+                gp = B.kernel_grad_ptr(grad)             # the gradient itself: no view made
+                if gp is None:                           # e.g. float16: a float32 copy
+                    g = B.float32_view(grad)
                     gp = B.kernel_ptr(g)
-                    if gp is not None:
-                        fused[i] = (st, plan, g, gp)
+                    if gp is None:
+                        continue
+                else:
+                    g = grad
+                fused[i] = (st, plan, g, gp)
             finite = kernels.finite_many([(f[3], f[0].numel) for f in fused.values()], threads)
             for i, ok in zip(list(fused), finite):
                 if not ok:
@@ -498,11 +507,13 @@ class DGCCore:
                 st, plan, g, gp = f
                 if density != plan.density:
                     plan.set_density(B, st.numel, c, density)
-                scale = (1.0 if c.clip_norm is None
-                         else clip_by_local_norm(B, g, c.clip_norm, world_size))
-                if c.weight_decay:
-                    g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
-                    gp, scale = B.kernel_ptr(g), 1.0
+                scale = 1.0
+                if c.clip_norm is not None or c.weight_decay:
+                    g = B.float32_view(g)
+                    scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
+                    if c.weight_decay:
+                        g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
+                        gp, scale = B.kernel_ptr(g), 1.0
                 rows.append(i)
                 batch.add(st, plan, g, gp, scale)
             if not rows:

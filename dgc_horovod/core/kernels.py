@@ -101,7 +101,8 @@ class Plan:
     """
 
     __slots__ = ("fma", "mode", "density", "k", "s", "ks", "sampled", "cap", "cidx", "cmag",
-                 "u", "v", "up", "vp", "cidx_p", "cmag_p", "max_tokens", "pos")
+                 "u", "v", "up", "vp", "cidx_p", "cmag_p", "max_tokens", "pos", "pos_p",
+                 "finish_here", "masking", "row", "k_fin", "cap_words")
 
     def __init__(self, B, st, config, fma, density):
         self.fma = fma
@@ -113,6 +114,9 @@ class Plan:
         self.max_tokens = n // wire._ESCAPE + 1     # escape tokens of a delta16 payload, at most
         self.cidx = self.cmag = None
         self.pos = None             # int64 buffer the sample positions are drawn into
+        # the batch kernel may finish the tensor itself (delta16 indices, float32 values)
+        self.finish_here = config.wire_index == "delta16" and config.wire_values == "float32"
+        self.masking = config.momentum_masking and st.u is not None
         self.set_density(B, n, config, density)
 
     def set_density(self, B, n, config, density):
@@ -121,11 +125,14 @@ class Plan:
         k = self.k = k_for(n, density)
         self.sampled = not (config.exact_topk or k * 2 >= n)
         if not self.sampled:
-            self.s = self.ks = self.cap = 0
+            self.s = self.ks = self.cap = self.k_fin = self.cap_words = 0
+            self.row = array("q", (0, self.up, self.vp, n, self.mode, self.fma) + (0,) * 13
+                             + (1, 0, 0, 0, 0))
             return
         s = self.s = min(n, max(MIN_SAMPLES, math.ceil(config.sample_ratio * n)))
         if self.pos is None or B.numel(self.pos) != s:
             self.pos = B.empty(s, "int64", like=self.v)
+            self.pos_p = B.kernel_ptr(self.pos)
         self.ks = min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
         # about ks·n/s candidates are expected; more than 2x that is rare and only costs a rescan
         cap = min(n, 2 * math.ceil(self.ks * n / s) + 2 * k + 64)
@@ -134,6 +141,12 @@ class Plan:
             self.cmag = B.empty(cap, "float32", like=self.v)
             self.cidx_p, self.cmag_p = B.kernel_ptr(self.cidx), B.kernel_ptr(self.cmag)
         self.cap = B.numel(self.cidx)
+        # the static part of this tensor's row of the batch kernel (Batch.add fills in the rest)
+        kf = self.k_fin = k if self.finish_here else 0
+        self.cap_words = (wire.HEADER_WORDS + kf + (kf + self.max_tokens + 1) // 2) if kf else 0
+        self.row = array("q", (0, self.up, self.vp, n, self.mode, self.fma, self.pos_p, s,
+                               self.ks, self.cidx_p, self.cmag_p, self.cap, kf, 0, 0, 0,
+                               int(self.masking and kf > 0), 0, self.cap_words, 1, 0, 0, 0, 0))
 
 
 def all_finite(n, gp, threads=1):
@@ -265,42 +278,30 @@ class Batch:
 
     def __init__(self, core, threads):
         self.core, self.threads = core, threads
-        c = core.config
-        self.finish_here = c.wire_index == "delta16" and c.wire_values == "float32"
-        self.masking = c.momentum_masking and c.momentum > 0
-        self.rows = []          # (st, plan, g, scale, pos, k, cap_words) per row
+        self.masking = core.config.momentum_masking and core.config.momentum > 0
+        self.rows = []          # (st, plan, g, pos) per row: kept alive until the kernel ran
         self.desc, self.fdesc = array("q"), array("d")
         self.k_total = self.w_total = 0
         self.finished = {}
 
     def add(self, st, plan, g, gp, scale):
-        """A finite gradient g (flat float32, pointer gp) of st, clipping scale already applied
-        for weight decay (see accumulate_select). Draws the row's sample positions now."""
+        """A finite gradient (flat float32 data at address gp, kept alive by g) of st, clipping
+        scale already applied for weight decay (see accumulate_select). Draws the row's sample
+        positions now."""
         core = self.core
-        B = core.B
-        n = st.numel
+        d = self.desc
+        base = len(d)
+        d.extend(plan.row)
+        d[base] = gp
+        pos = None
         if plan.sampled:
-            pos = B.sample_positions(n, plan.s, core._generator, plan.pos)
-            pp = B.kernel_ptr(pos)
-            if self.finish_here:             # the kernel may finish it: regions of k entries
-                k = plan.k
-                cap_words = wire.HEADER_WORDS + k + (k + plan.max_tokens + 1) // 2
-                # until run() has the buffers: out = offset into out/vals/usent (entries),
-                # vals = offset into payload (words), usent = the masking flag, payload = -1
-                self.desc.extend((gp, plan.up, plan.vp, n, plan.mode, plan.fma, pp, plan.s,
-                                  plan.ks, plan.cidx_p, plan.cmag_p, plan.cap, k, self.k_total,
-                                  self.w_total, int(self.masking), int(self.masking), -1,
-                                  cap_words, 1, 0, 0, 0, 0))
-                self.k_total += k
-                self.w_total += cap_words
-            else:
-                self.desc.extend((gp, plan.up, plan.vp, n, plan.mode, plan.fma, pp, plan.s,
-                                  plan.ks, plan.cidx_p, plan.cmag_p, plan.cap,
-                                  0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0))
-        else:
-            pos = None
-            self.desc.extend((gp, plan.up, plan.vp, n, plan.mode, plan.fma,
-                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0))
+            pos = core.B.sample_positions(st.numel, plan.s, core._generator, plan.pos)
+            if pos is not plan.pos:          # a backend that returned a new tensor
+                d[base + 6] = core.B.kernel_ptr(pos)
+            if plan.k_fin:                   # offsets until run() has the buffers
+                d[base + 13], d[base + 17] = self.k_total, self.w_total
+                self.k_total += plan.k_fin
+                self.w_total += plan.cap_words
         self.fdesc.extend((core.config.momentum, scale, 0.0))
         self.rows.append((st, plan, g, pos))
 
@@ -320,20 +321,19 @@ class Batch:
         if self.k_total:
             for base in range(0, nrows * _NF, _NF):
                 if d[base + 12]:             # a row the kernel may finish: offsets -> addresses
-                    ko, wo = d[base + 13], d[base + 14]
+                    ko = d[base + 13]
                     d[base + 13], d[base + 14] = po + 8 * ko, pv + 4 * ko
-                    d[base + 15] = pu + 4 * ko if d[base + 15] else 0
-                    d[base + 17] = pp + 4 * wo
+                    d[base + 15] = pu + 4 * ko if d[base + 16] else 0
+                    d[base + 17] = pp + 4 * d[base + 17]
         _kernels.step_many(d.buffer_info()[0], self.fdesc.buffer_info()[0], nrows, self.threads,
                            po, pv, pu, pp)
         if not self.k_total:
             return
         done, words, start = [], [], 0
-        for r in range(nrows):
-            base = r * _NF
-            if d[base + 17] and d[base + _F_NSEL] >= 0:
+        for base in range(0, nrows * _NF, _NF):
+            if d[base + 12] and d[base + _F_NSEL] >= 0:
                 count = d[base + _F_NSEL]
-                done.append((r, start, count))
+                done.append((base // _NF, start, count))
                 words.append(d[base + _F_WORDS])
                 start += count
         if done:
