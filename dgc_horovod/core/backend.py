@@ -232,7 +232,7 @@ class NumpyBackend(Backend):
         return self._fma
 
     def sample_positions(self, n, s, generator, out=None):
-        if out is not None and out.size == s:
+        if out is not None:                  # (the caller's buffer has s entries)
             out[:] = generator.integers(0, n, size=s)
             return out
         return generator.integers(0, n, size=s)

@@ -455,12 +455,12 @@ class DGCCore:
             a repeated name); every entry is checked before any state changes.
         """
         entries = list(entries)
-        names = set()
+        names, check = set(), self._check_entry
         for name, grad, _ in entries:
             if name in names:
                 raise ValueError(f"compress_many: the tensor {name!r} appears twice")
             names.add(name)
-            self._check_entry(name, grad)
+            check(name, grad)
         if not self.use_kernels or len(entries) < 2:
             return [self.compress(name, grad, world_size, param=param)
                     for name, grad, param in entries]
@@ -497,6 +497,7 @@ class DGCCore:
                 if not ok:
                     del fused[i]
             batch, rows = kernels.Batch(self, threads), []
+            add = batch.add
             # in entry order, so the random draws come in the order compress() makes them
             for i, (name, grad, param) in enumerate(entries):
                 f = fused.get(i)
@@ -515,7 +516,7 @@ class DGCCore:
                         g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
                         gp, scale = B.kernel_ptr(g), 1.0
                 rows.append(i)
-                batch.add(st, plan, g, gp, scale)
+                add(st, plan, g, gp, scale)
             if not rows:
                 return results
             batch.run(like=batch.rows[0][0].v)
@@ -532,9 +533,8 @@ class DGCCore:
                     results[i] = self._fused_finish(st, plan, idx, time.perf_counter(), density)
                     continue
                 st = batch.rows[r][0]
-                payload, start, count = done
-                counted.append((st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES,
-                                share * st.numel))
+                payload, start, count, words = done
+                counted.append((st, count, 4 * words + PLACEHOLDER_BYTES, share * st.numel))
                 results[i] = ("sparse", payload, _BatchContext(st.name, st.numel, batch, start,
                                                                count, masked))
             if counted:

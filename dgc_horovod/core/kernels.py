@@ -271,14 +271,16 @@ class Batch:
     rows it can finish (delta16 indices, float32 values, a unique top-k set), gathers, clears and
     encodes — the same arithmetic as :func:`accumulate_select` + :func:`finish` per tensor, so the
     same results. Work is spread over up to ``threads`` threads by chunks of 65,536 elements.
-    After :meth:`run`, ``finished`` maps a row to (payload, start, count): its payload, and where
-    its selected positions, values and velocities lie in the batch buffers ``out``, ``vals`` and
-    ``usent`` (see :meth:`views`).
+    After :meth:`run`, ``finished`` maps a row to (payload, start, count, words): its payload and
+    its length in int32 words, and where its selected positions, values and velocities lie in the
+    batch buffers ``out``, ``vals`` and ``usent`` (see :meth:`views`).
     """
 
     def __init__(self, core, threads):
         self.core, self.threads = core, threads
         self.masking = core.config.momentum_masking and core.config.momentum > 0
+        self.momentum = core.config.momentum
+        self._draw = core.B.sample_positions
         self.rows = []          # (st, plan, g, pos) per row: kept alive until the kernel ran
         self.desc, self.fdesc = array("q"), array("d")
         self.k_total = self.w_total = 0
@@ -288,21 +290,21 @@ class Batch:
         """A finite gradient (flat float32 data at address gp, kept alive by g) of st, clipping
         scale already applied for weight decay (see accumulate_select). Draws the row's sample
         positions now."""
-        core = self.core
         d = self.desc
         base = len(d)
         d.extend(plan.row)
         d[base] = gp
         pos = None
         if plan.sampled:
-            pos = core.B.sample_positions(st.numel, plan.s, core._generator, plan.pos)
+            core = self.core
+            pos = self._draw(st.numel, plan.s, core._generator, plan.pos)
             if pos is not plan.pos:          # a backend that returned a new tensor
                 d[base + 6] = core.B.kernel_ptr(pos)
             if plan.k_fin:                   # offsets until run() has the buffers
                 d[base + 13], d[base + 17] = self.k_total, self.w_total
                 self.k_total += plan.k_fin
                 self.w_total += plan.cap_words
-        self.fdesc.extend((core.config.momentum, scale, 0.0))
+        self.fdesc.extend((self.momentum, scale, 0.0))
         self.rows.append((st, plan, g, pos))
 
     def run(self, like):
@@ -339,7 +341,7 @@ class Batch:
         if done:
             nwords = sum(words)
             pays = B.split(self.payload, words + [wt - nwords])
-            self.finished = {r: (pays[j], a, cnt) for j, (r, a, cnt) in enumerate(done)}
+            self.finished = {r: (pays[j], a, cnt, words[j]) for j, (r, a, cnt) in enumerate(done)}
 
     def views(self, start, count, masked):
         """(indices, values, u_sent) of a finished row: views of the batch buffers."""

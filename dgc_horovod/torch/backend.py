@@ -149,7 +149,7 @@ class TorchBackend(Backend):
 
     def sample_positions(self, n, s, generator, out=None):
         # the positions sample() draws (random_ into a reused buffer draws the same values)
-        if out is not None and out.numel() == s:
+        if out is not None:                  # (the caller's buffer has s entries)
             return out.random_(0, n, generator=generator)
         return torch.randint(n, (s,), generator=generator)
 
