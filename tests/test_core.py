@@ -813,6 +813,24 @@ def test_average_divides_by_world_size(backend):
     np.testing.assert_allclose(avg[0], total[0] / N, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("overlap", ["same_gradients", "different_gradients"])
+def test_average_is_the_sum_times_one_over_n_bit_for_bit(backend, overlap):
+    """decompress divides only at the gathered positions: the same bits as multiplying the
+    whole sum by float32(1/N), and a position sent by several ranks is divided once."""
+    rng = np.random.default_rng(19)
+    N = 3
+    base = rng.standard_normal(2000).astype(F32)
+    grads = [base.copy() if overlap == "same_gradients" else rng.standard_normal(2000).astype(F32)
+             for _ in range(N)]
+    kw = dict(compress_ratio=0.02, min_sparse_numel=1)
+    avg, _, _ = exchange(make_ranks(N, backend, **kw), "w", grads, average=True)
+    total, _, _ = exchange(make_ranks(N, backend, **kw), "w", grads, average=False)
+    expected = total[0] * np.float32(1.0 / N)
+    assert expected.dtype == np.float32 and np.count_nonzero(expected) >= 20
+    np.testing.assert_array_equal(avg[0].view(np.int32), expected.view(np.int32))
+
+
 @pytest.mark.parametrize("shape", [(840,), (4, 5, 6, 7)])
 def test_torch_and_numpy_backends_agree(shape):
     rng = np.random.default_rng(10)

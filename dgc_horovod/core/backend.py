@@ -51,6 +51,10 @@ class Backend:
     def take(self, x, idx): raise NotImplementedError          # x[idx]
     def scatter_(self, x, idx, vals): raise NotImplementedError  # x[idx] = vals
     def fill_at_(self, x, idx, value): raise NotImplementedError  # x[idx] = value
+    def scale_at_(self, x, idx, a):                            # x[idx] = x[idx] * a, each
+        vals = self.take(x, idx)                               # position once even if idx
+        self.mul_(vals, a)                                     # repeats it (gathered before
+        self.scatter_(x, idx, vals)                            # any write)
     def index_add_(self, x, idx, vals): raise NotImplementedError  # x[idx] += vals (idx unique)
     # --- wire
     def int32_tensor(self, values, like): raise NotImplementedError

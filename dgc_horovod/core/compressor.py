@@ -634,8 +634,10 @@ class DGCCore:
             WireFormatError: a malformed payload (names tensor and rank).
         """
         B = self.B
+        positions = []
         dense, nonfinite = wire.decode_sum(B, gathered, ctx.numel,
-                                           world_size if ranks is None else ranks, ctx.name)
+                                           world_size if ranks is None else ranks, ctx.name,
+                                           positions)
         if nonfinite:
             st = self.states[ctx.name]
             if ctx.indices is not None:
@@ -643,6 +645,10 @@ class DGCCore:
                     restore_sent(B, st.u, st.v, ctx.indices, ctx.values, ctx.u_sent)
             B.mul_(dense, float("nan"))
             return dense
-        if average and world_size > 1:
-            B.mul_(dense, 1.0 / world_size)
+        if average and world_size > 1 and positions:
+            # divide by N only where a rank sent something (elsewhere 0 / N is 0): the same
+            # bits as dividing the whole tensor, without a pass over it. A position sent by
+            # several ranks is gathered from the sum before any write, so it is scaled once.
+            B.scale_at_(dense, positions[0] if len(positions) == 1 else B.cat(positions),
+                        1.0 / world_size)
         return dense

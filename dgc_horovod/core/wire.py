@@ -111,7 +111,7 @@ def _fail(name, rank, what):
     raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} {what}")
 
 
-def decode_sum(B, gathered, numel, world_size, name="<tensor>"):
+def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None):
     """Sum the sparse contributions of all ranks into a dense float32 tensor, in rank order.
 
     Every rank runs the same additions in the same order (rank 0 first), so the result is
@@ -121,6 +121,8 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>"):
         B: backend. gathered: flat int32 tensor, the allgather of every rank's :func:`encode`.
         numel (int): elements of the dense tensor. world_size (int): ranks in the allgather.
         name (str): tensor name, used in error messages.
+        positions (list or None): when given, each rank's decoded index tensor (int32 or int64)
+            is appended to it: together they are every position that may be non-zero.
     Returns:
         (dense, nonfinite): flat float32 tensor of numel elements (the sum, not the mean), and
         True if any rank flagged a non-finite gradient.
@@ -175,6 +177,8 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>"):
             vw = B.slice(gathered, start + idx_words, end)
             vals = B.bits_float32(vw) if values == "float32" else B.unpack_fp16(vw, c)
             B.index_add_(dense, idx, vals)
+            if positions is not None:
+                positions.append(idx)
         pos = end
     if pos != total:
         raise WireFormatError(f"DGC payload of tensor {name!r} has {total - pos} unexpected "

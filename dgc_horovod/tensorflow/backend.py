@@ -55,6 +55,7 @@ class TFBackend(Backend):
     def drop_zeros(self, idx, mag): return tf.boolean_mask(idx, mag > 0)
     def take(self, x, idx): return tf.gather(x, idx)
     def scatter_(self, x, idx, vals): x.scatter_nd_update(_col(idx), vals)
+    def scale_at_(self, x, idx, a): x.scatter_nd_update(_col(idx), tf.gather(x, idx) * a)
 
     def fill_at_(self, x, idx, value):
         x.scatter_nd_update(_col(idx), tf.fill(tf.shape(idx), tf.constant(value, tf.float32)))

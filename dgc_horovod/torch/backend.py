@@ -63,7 +63,7 @@ class TorchBackend(Backend):
         return buf[:like.numel()]
     def drop_zeros(self, idx, mag): return idx[mag > 0]
     def take(self, x, idx): return x.index_select(0, idx)
-    def scatter_(self, x, idx, vals): x.index_copy_(0, idx, vals)
+    def scatter_(self, x, idx, vals): x.index_copy_(0, idx.long(), vals)
     def fill_at_(self, x, idx, value): x.index_fill_(0, idx, value)
     def index_add_(self, x, idx, vals): x.index_add_(0, idx.long(), vals)
 
