@@ -207,15 +207,20 @@ static void *gather_worker(void *p) {
  * at a time: a caller that finds the pool busy (another Python thread, or a task calling
  * parallel()) runs its tasks inline. After fork() the child starts with an empty pool. */
 #define SPIN 4096
+/* P.gen is (region sequence number << 8) | workers wanted in that region: a worker reads both in
+ * one load, so it cannot take one region's number with another region's count (a worker left
+ * out of a region that ends while it looks, and a wider region started right after, must not
+ * join the new region as if it were the old one and leave it twice). */
+#define WANTED_MASK 0xffUL
 typedef void (*task_fn)(void *ctx, i64 task);
 static struct {
     pthread_mutex_t use, mu;
     pthread_cond_t go, done;
-    int started, wanted, running;
+    int started, running;
     unsigned long gen, seen0[MAX_THREADS];
     task_fn fn; void *ctx; i64 ntasks, next;
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-       PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, {0}, NULL, NULL, 0, 0};
+       PTHREAD_COND_INITIALIZER, 0, 0, 0, {0}, NULL, NULL, 0, 0};
 
 ALWAYS_INLINE void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -249,7 +254,7 @@ static void *pool_worker(void *arg) {
             pthread_mutex_unlock(&P.mu);
         }
         seen = g;
-        if (id >= P.wanted) continue;
+        if (id >= (int)(g & WANTED_MASK)) continue;    /* this region's own count */
         drain();
         if (__atomic_sub_fetch(&P.running, 1, __ATOMIC_ACQ_REL) == 0) {
             pthread_mutex_lock(&P.mu);
@@ -264,7 +269,7 @@ static void pool_after_fork_child(void) {
     pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
     pthread_cond_t c = PTHREAD_COND_INITIALIZER;
     P.use = m; P.mu = m; P.go = c; P.done = c;
-    P.started = P.wanted = P.running = 0;
+    P.started = P.running = 0;
 }
 
 static void parallel(task_fn fn, void *ctx, i64 ntasks, int threads) {
@@ -283,9 +288,10 @@ static void parallel(task_fn fn, void *ctx, i64 ntasks, int threads) {
         P.started++;
     }
     const int W = (int)(T - 1 < P.started ? T - 1 : P.started);
-    P.fn = fn; P.ctx = ctx; P.ntasks = ntasks; P.next = 0; P.wanted = W;
+    P.fn = fn; P.ctx = ctx; P.ntasks = ntasks; P.next = 0;
     __atomic_store_n(&P.running, W, __ATOMIC_RELAXED);
-    __atomic_store_n(&P.gen, P.gen + 1, __ATOMIC_RELEASE);    /* publishes the fields above */
+    /* a new generation word carrying W: publishes the fields above */
+    __atomic_store_n(&P.gen, (((P.gen >> 8) + 1) << 8) | (unsigned long)W, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&P.go);
     pthread_mutex_unlock(&P.mu);
     drain();
