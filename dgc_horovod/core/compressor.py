@@ -140,6 +140,7 @@ class DGCCore:
         self._step_names = set()
         self.step_stats = CompressionStats()
         self.total_stats = CompressionStats()
+        self._deferred = None   # compress_many: statistics rows waiting for entry order
         self.use_kernels = kernels.available() and backend.kernel_fma() is not None
 
     # ----------------------------------------------------------------- warm-up
@@ -313,34 +314,21 @@ class DGCCore:
         return st
 
     def _count(self, st, selected, wire_bytes, nonfinite, seconds, density=None):
-        if st.name in self._step_names:        # a tensor seen again: a new step has begun
-            self._step_names.clear()
-            self.step_stats = CompressionStats()
-        if not self._step_names:
-            self.step_stats.steps = 1
-            self.total_stats.steps += 1
-        self._step_names.add(st.name)
-        if density is None:
-            density = self.density
-        for s in (self.step_stats, self.total_stats):
-            s.tensors += 1
-            s.sparse_tensors += int(st.sparse)
-            s.elements += st.numel
-            s.selected += selected
-            s.wire_bytes += wire_bytes
-            s.dense_bytes += 4 * st.numel
-            s.nonfinite_tensors += int(nonfinite)
-            s.compress_seconds += seconds
-            s.density = density
+        row = (st, selected, wire_bytes, nonfinite, seconds,
+               self.density if density is None else density)
+        if self._deferred is not None:           # inside compress_many: counted in entry order
+            self._deferred.append(row)
+        else:
+            self._count_rows((row,))
 
-    def _count_finished(self, rows, density):
-        """:meth:`_count` for rows [(st, selected, wire_bytes, seconds)] of sparsified, finite
-        tensors, in order: the same counters, added once per step instead of once per tensor."""
+    def _count_rows(self, rows):
+        """Add rows [(st, selected, wire_bytes, nonfinite, seconds, density)], in order, to the
+        statistics: a tensor seen again in this step starts a new step."""
         names, seg = self._step_names, []
         for row in rows:
             name = row[0].name
             if name in names:                      # a tensor seen again: a new step has begun
-                self._add_counts(seg, density)
+                self._add_counts(seg)
                 seg = []
                 names.clear()
                 self.step_stats = CompressionStats()
@@ -349,23 +337,25 @@ class DGCCore:
                 self.total_stats.steps += 1
             names.add(name)
             seg.append(row)
-        self._add_counts(seg, density)
+        self._add_counts(seg)
 
-    def _add_counts(self, seg, density):
+    def _add_counts(self, seg):
         if not seg:
             return
         n = sum(r[0].numel for r in seg)
+        sparse = sum(int(r[0].sparse) for r in seg)
         selected, wire_bytes = sum(r[1] for r in seg), sum(r[2] for r in seg)
-        seconds = sum(r[3] for r in seg)
+        nonfinite, seconds = sum(int(r[3]) for r in seg), sum(r[4] for r in seg)
         for s in (self.step_stats, self.total_stats):
             s.tensors += len(seg)
-            s.sparse_tensors += len(seg)
+            s.sparse_tensors += sparse
             s.elements += n
             s.selected += selected
             s.wire_bytes += wire_bytes
             s.dense_bytes += 4 * n
+            s.nonfinite_tensors += nonfinite
             s.compress_seconds += seconds
-            s.density = density
+            s.density = seg[-1][5]
 
     # ----------------------------------------------------------------- compress / decompress
     def compress(self, name, grad, world_size, param=None):
@@ -380,13 +370,17 @@ class DGCCore:
             ("dense", flat float32 tensor to allreduce, None) for small tensors, or
             ("sparse", flat int32 payload to allgather, SparseContext).
         Raises:
-            TypeError: grad is not a floating tensor. ValueError: its size changed, or it has more
-            than 2**31-1 elements. In both cases no state is modified.
+            TypeError: grad is not a floating tensor. ValueError: its size changed, it has more
+            than 2**31-1 elements, or param is None with weight_decay > 0. In all these cases no
+            state is modified.
         """
-        B, c = self.B, self.config
+        B = self.B
         if not B.is_floating(grad):
             raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
                             f"got dtype {getattr(grad, 'dtype', type(grad))}")
+        if self.config.weight_decay and param is None:
+            raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the parameter "
+                             f"of {name!r} (param=...), got None")
         t0 = time.perf_counter()
         with self._lock:
             return self._compress_locked(name, grad, world_size, param, t0)
@@ -456,11 +450,11 @@ class DGCCore:
         """
         entries = list(entries)
         names, check = set(), self._check_entry
-        for name, grad, _ in entries:
+        for name, grad, param in entries:
             if name in names:
                 raise ValueError(f"compress_many: the tensor {name!r} appears twice")
             names.add(name)
-            check(name, grad)
+            check(name, grad, param)
         if not self.use_kernels or len(entries) < 2:
             return [self.compress(name, grad, world_size, param=param)
                     for name, grad, param in entries]
@@ -498,55 +492,67 @@ class DGCCore:
                     del fused[i]
             batch, rows = kernels.Batch(self, threads), []
             add = batch.add
-            # in entry order, so the random draws come in the order compress() makes them
-            for i, (name, grad, param) in enumerate(entries):
-                f = fused.get(i)
-                if f is None:
-                    results[i] = self._compress_locked(name, grad, world_size, param,
-                                                       time.perf_counter())
-                    continue
-                st, plan, g, gp = f
-                if density != plan.density:
-                    plan.set_density(B, st.numel, c, density)
-                scale = 1.0
-                if c.clip_norm is not None or c.weight_decay:
-                    g = B.float32_view(g)
-                    scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
-                    if c.weight_decay:
-                        g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
-                        gp, scale = B.kernel_ptr(g), 1.0
-                rows.append(i)
-                add(st, plan, g, gp, scale)
-            if not rows:
-                return results
-            batch.run(like=batch.rows[0][0].v)
-            share = (time.perf_counter() - t0) / sum(row[0].numel for row in batch.rows)
-            counted, finished, masked = [], batch.finished, batch.masking
-            for r, i in enumerate(rows):
-                done = finished.get(r)
-                if done is None:
-                    if counted:                  # keep the statistics in entry order
-                        self._count_finished(counted, density)
-                        counted = []
-                    st, plan, thr, cnt = batch.result(r)
-                    idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
-                    results[i] = self._fused_finish(st, plan, idx, time.perf_counter(), density)
-                    continue
-                st = batch.rows[r][0]
-                payload, start, count, words = done
-                counted.append((st, count, 4 * words + PLACEHOLDER_BYTES, share * st.numel))
-                results[i] = ("sparse", payload, _BatchContext(st.name, st.numel, batch, start,
-                                                               count, masked))
-            if counted:
-                self._count_finished(counted, density)
+            counts = [()] * len(entries)    # statistics rows per entry, added in entry order
+            t_other = 0.0                   # time spent on the entries outside the batch
+            self._deferred = []
+            try:
+                # in entry order, so the random draws come in the order compress() makes them
+                for i, (name, grad, param) in enumerate(entries):
+                    f = fused.get(i)
+                    if f is None:
+                        t1 = time.perf_counter()
+                        results[i] = self._compress_locked(name, grad, world_size, param, t1)
+                        counts[i], self._deferred = self._deferred, []
+                        t_other += time.perf_counter() - t1
+                        continue
+                    st, plan, g, gp = f
+                    if density != plan.density:
+                        plan.set_density(B, st.numel, c, density)
+                    scale = 1.0
+                    if c.clip_norm is not None or c.weight_decay:
+                        g = B.float32_view(g)
+                        scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
+                        if c.weight_decay:
+                            g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay,
+                                                 scale)
+                            gp, scale = B.kernel_ptr(g), 1.0
+                    rows.append(i)
+                    add(st, plan, g, gp, scale)
+                if rows:
+                    batch.run(like=batch.rows[0][0].v)
+                    share = (time.perf_counter() - t0 - t_other) / sum(
+                        row[0].numel for row in batch.rows)
+                    finished, masked = batch.finished, batch.masking
+                    for r, i in enumerate(rows):
+                        done = finished.get(r)
+                        if done is None:
+                            st, plan, thr, cnt = batch.result(r)
+                            idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
+                            results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
+                                                            density)
+                            counts[i], self._deferred = self._deferred, []
+                            continue
+                        st = batch.rows[r][0]
+                        payload, start, count, words = done
+                        counts[i] = ((st, count, 4 * words + PLACEHOLDER_BYTES, False,
+                                      share * st.numel, density),)
+                        results[i] = ("sparse", payload, _BatchContext(
+                            st.name, st.numel, batch, start, count, masked))
+                    batch.release()          # the contexts keep only the output buffers
+            finally:
+                self._deferred = None
+            self._count_rows([row for entry in counts for row in entry])
         return results
 
-    def _check_entry(self, name, grad):
+    def _check_entry(self, name, grad, param=None):
         """The argument checks of :meth:`compress`, without touching any state."""
         B = self.B
         if not B.is_floating(grad):
             raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
                             f"got dtype {getattr(grad, 'dtype', type(grad))}")
+        if self.config.weight_decay and param is None:
+            raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the parameter "
+                             f"of {name!r} (param=...), got None")
         st = self.states.get(name)
         numel = B.numel(grad)
         if st is None:

@@ -343,6 +343,11 @@ class Batch:
             pays = B.split(self.payload, words + [wt - nwords])
             self.finished = {r: (pays[j], a, cnt, words[j]) for j, (r, a, cnt) in enumerate(done)}
 
+    def release(self):
+        """Drop the rows (gradients, sample positions) and descriptors once the results are
+        built; :meth:`views` and the payloads stay valid."""
+        self.rows = self.desc = self.fdesc = None
+
     def views(self, start, count, masked):
         """(indices, values, u_sent) of a finished row: views of the batch buffers."""
         B = self.core.B
