@@ -409,3 +409,18 @@ def test_batch_kernel_settles_too_few_and_too_many_candidates_like_the_backend()
     finally:
         kernels.Batch.run = run
     assert seen["too_few"] > 0 and seen["over_cap"] > 0, seen
+
+
+@pytest.mark.parametrize("many", [True, False])
+def test_weight_decay_without_param_is_refused_before_any_change(many):
+    core = DGCCore(DGCConfig(warmup_epochs=0, weight_decay=1e-4), TorchBackend())
+    p = torch.randn(5000)
+    core.compress("a", torch.randn(5000), 2, param=p)
+    v, gen = core.states["a"].v.clone(), core.B.generator_state(core._generator).clone()
+    with pytest.raises(ValueError, match="needs the parameter of 'b'"):
+        if many:
+            core.compress_many([("a", torch.randn(5000), p), ("b", torch.randn(5000), None)], 2)
+        else:
+            core.compress("b", torch.randn(5000), 2)
+    assert torch.equal(core.states["a"].v, v) and "b" not in core.states
+    assert torch.equal(core.B.generator_state(core._generator), gen)
