@@ -374,13 +374,7 @@ class DGCCore:
             than 2**31-1 elements, or param is None with weight_decay > 0. In all these cases no
             state is modified.
         """
-        B = self.B
-        if not B.is_floating(grad):
-            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
-                            f"got dtype {getattr(grad, 'dtype', type(grad))}")
-        if self.config.weight_decay and param is None:
-            raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the parameter "
-                             f"of {name!r} (param=...), got None")
+        self._check_args(name, grad, param)
         t0 = time.perf_counter()
         with self._lock:
             return self._compress_locked(name, grad, world_size, param, t0)
@@ -544,15 +538,21 @@ class DGCCore:
             self._count_rows([row for entry in counts for row in entry])
         return results
 
-    def _check_entry(self, name, grad, param=None):
-        """The argument checks of :meth:`compress`, without touching any state."""
-        B = self.B
-        if not B.is_floating(grad):
+    def _check_args(self, name, grad, param):
+        """The argument checks of :meth:`compress` that need no state: dtype, and a parameter
+        when weight decay needs it."""
+        if not self.B.is_floating(grad):
             raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
                             f"got dtype {getattr(grad, 'dtype', type(grad))}")
         if self.config.weight_decay and param is None:
             raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the parameter "
                              f"of {name!r} (param=...), got None")
+
+    def _check_entry(self, name, grad, param=None):
+        """Every check of :meth:`compress` (also the size against the tensor's state), without
+        touching any state: compress_many runs them all before it changes anything."""
+        B = self.B
+        self._check_args(name, grad, param)
         st = self.states.get(name)
         numel = B.numel(grad)
         if st is None:

@@ -182,7 +182,7 @@ def accumulate_select(core, st, plan, g, gp, world_size, param, threads=1):
     if not plan.sampled:
         _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum, scale,
                       0, 0, 0, 0, 0, 0, threads)
-        return select_topk(B, st.v, plan.k, c.sample_ratio, True, core._generator)
+        return select_rest(core, st, plan, 0.0, 0, -1, None)
     pos = B.sample_positions(n, plan.s, core._generator, plan.pos)
     k = plan.k
     out = B.empty(k, "int64", like=st.v) if c.wire_index == "delta16" else None
@@ -259,7 +259,8 @@ def finite_many(tensors, threads=1):
 
 
 # the row layout of _kernels.step_many (the F_* and D_* enums of _kernels.c)
-_NF, _F_COUNT, _F_NSEL, _F_WORDS = 24, 21, 22, 23
+_NF, _F_POS, _F_K, _F_OUT, _F_VALS, _F_USENT, _F_MASKU, _F_PAY = 24, 6, 12, 13, 14, 15, 16, 17
+_F_COUNT, _F_NSEL, _F_WORDS = 21, 22, 23
 _ND, _D_THR = 3, 2
 
 
@@ -299,9 +300,9 @@ class Batch:
             core = self.core
             pos = self._draw(st.numel, plan.s, core._generator, plan.pos)
             if pos is not plan.pos:          # a backend that returned a new tensor
-                d[base + 6] = core.B.kernel_ptr(pos)
+                d[base + _F_POS] = core.B.kernel_ptr(pos)
             if plan.k_fin:                   # offsets until run() has the buffers
-                d[base + 13], d[base + 17] = self.k_total, self.w_total
+                d[base + _F_OUT], d[base + _F_PAY] = self.k_total, self.w_total
                 self.k_total += plan.k_fin
                 self.w_total += plan.cap_words
         self.fdesc.extend((self.momentum, scale, 0.0))
@@ -322,18 +323,18 @@ class Batch:
         pu = B.kernel_ptr(self.usent) if self.masking else 0
         if self.k_total:
             for base in range(0, nrows * _NF, _NF):
-                if d[base + 12]:             # a row the kernel may finish: offsets -> addresses
-                    ko = d[base + 13]
-                    d[base + 13], d[base + 14] = po + 8 * ko, pv + 4 * ko
-                    d[base + 15] = pu + 4 * ko if d[base + 16] else 0
-                    d[base + 17] = pp + 4 * d[base + 17]
+                if d[base + _F_K]:           # a row the kernel may finish: offsets -> addresses
+                    ko = d[base + _F_OUT]
+                    d[base + _F_OUT], d[base + _F_VALS] = po + 8 * ko, pv + 4 * ko
+                    d[base + _F_USENT] = pu + 4 * ko if d[base + _F_MASKU] else 0
+                    d[base + _F_PAY] = pp + 4 * d[base + _F_PAY]
         _kernels.step_many(d.buffer_info()[0], self.fdesc.buffer_info()[0], nrows, self.threads,
                            po, pv, pu, pp)
         if not self.k_total:
             return
         done, words, start = [], [], 0
         for base in range(0, nrows * _NF, _NF):
-            if d[base + 12] and d[base + _F_NSEL] >= 0:
+            if d[base + _F_K] and d[base + _F_NSEL] >= 0:
                 count = d[base + _F_NSEL]
                 done.append((base // _NF, start, count))
                 words.append(d[base + _F_WORDS])
