@@ -15,7 +15,9 @@
    tie-heavy gradients.
 3. Scale: cost per element of compress (fused path) for tensors of 1e4 … 1e8 elements, in
    buckets as the adapter makes them (ceil(2**22 / n) tensors of n elements per compress_many
-   call, one tensor from 2**22 up) and with one compress() call per tensor.
+   call, one tensor from 2**22 up) and with one compress() call per tensor; for buckets of
+   several tensors, how much of a call is spent in the C kernels and how much per tensor outside
+   them.
 
     python benchmarks/compress_cost.py [--repeats 9] [--max-elements 1e8]
 """
@@ -163,6 +165,46 @@ def recall(n=1_000_000, density=0.001, seeds=5):
     return worst
 
 
+class _KernelClock:
+    """Stands in for dgc_horovod.core.kernels._kernels and adds up the wall time spent inside
+    the batch kernels (finite_many, step_many), to split a compress_many call into C and the
+    rest (Python and PyTorch calls)."""
+
+    def __init__(self, module):
+        self.module, self.seconds = module, 0.0
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+        if name not in ("finite_many", "step_many"):
+            return fn
+
+        def timed_call(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed_call
+
+
+def kernel_split(core, entries, repeats):
+    """(median seconds of a compress_many call, median seconds of it inside the C kernels)."""
+    from dgc_horovod.core import kernels
+    clock, module = _KernelClock(kernels._kernels), kernels._kernels
+    kernels._kernels = clock
+    try:
+        totals, inside = [], []
+        for _ in range(repeats):
+            clock.seconds = 0.0
+            t0 = time.perf_counter()
+            core.compress_many(entries, world_size=8)
+            totals.append(time.perf_counter() - t0)
+            inside.append(clock.seconds)
+    finally:
+        kernels._kernels = module
+    return statistics.median(totals), statistics.median(inside)
+
+
 def scaling(repeats, max_elements, density):
     print(f"Cost per element of compress (density {density}, torch threads "
           f"{torch.get_num_threads()}): in buckets of 2**22 elements (compress_many, what the "
@@ -182,6 +224,11 @@ def scaling(repeats, max_elements, density):
         print(f"  n=1e{e}: bucket of {count:>3} tensors {1e3 * t_bucket:9.3f} ms "
               f"{1e9 * bucketed[-1]:7.3f} ns/element;  one tensor {1e3 * t_one:9.3f} ms "
               f"{1e9 * single[-1]:7.3f} ns/element")
+        if count > 1 and core.use_kernels:
+            total, inside = kernel_split(core, entries, reps)
+            print(f"         of a bucket call: C kernels {1e3 * inside:.3f} ms "
+                  f"({1e9 * inside / (n * count):.3f} ns/element), the rest (Python, PyTorch) "
+                  f"{1e6 * (total - inside) / count:.1f} us per tensor")
         del entries, core, one
     print(f"  max/min per-element cost: {max(bucketed) / min(bucketed):.2f}x in buckets, "
           f"{max(single) / min(single):.2f}x one tensor per call")
