@@ -238,7 +238,8 @@ def test_finished_and_unfinished_rows_interleave():
 
     def spy(self, like):
         run(self, like)
-        seen.append([r in self.finished for r in range(len(self.rows))])
+        done = self.finished()
+        seen.append([r in done for r in range(len(self.rows))])
     names = [f"r{i}" for i in range(12)]
     kernels.Batch.run = spy
     try:
@@ -346,16 +347,30 @@ def test_decompress_after_nonfinite_rank_restores_batch_contexts(backend, cfg):
         assert any(isinstance(r[2], _BatchContext) for r in a) == (conf.wire_index != "int32")
 
 
-@needs_kernels
-def test_numpy_sample_positions_into_a_buffer_draw_the_same_values():
-    B = NumpyBackend()
-    g1, g2 = B.generator(5), B.generator(5)
-    out = np.full(777, -1, np.int64)
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_sample_draws_batch_and_match_sample(backend):
+    # the kernels draw a bucket's uniforms in one call: the same values as one call per tensor,
+    # into a buffer or not; and sample() gathers at sparsify.sample_positions of those draws
+    from dgc_horovod.core.sparsify import sample_positions
+    B = BACKENDS[backend]()
+    g1, g2, g3 = B.generator(5), B.generator(5), B.generator(5)
+    one = np.asarray(B.sample_uniform(777 + 5 + 1000, g1))
+    buf = B.empty(5, "float64", like=np.zeros(1, np.float32) if backend == "numpy"
+                  else torch.zeros(1))
+    parts = [np.asarray(B.sample_uniform(777, g2)), np.asarray(B.sample_uniform(5, g2, buf)).copy(),
+             np.asarray(B.sample_uniform(1000, g2))]
+    assert np.array_equal(one, np.concatenate(parts))
+    assert one.dtype == np.float64 and one.min() >= 0.0 and one.max() < 1.0
     for n in (1, 2, 1000, 2 ** 31 - 1):
-        got = B.sample_positions(n, 777, g1, out)
-        assert got is out
-        assert np.array_equal(out, B.sample_positions(n, 777, g2))
-        assert out.min() >= 0 and out.max() < n
+        pos = sample_positions(np.asarray(B.sample_uniform(300, g3)), n)
+        assert pos.min() >= 0 and pos.max() < n
+    x = np.arange(1000, dtype=np.float32)
+    got = np.asarray(B.sample(x if backend == "numpy" else torch.from_numpy(x), 300,
+                              B.generator(9)))
+    assert np.array_equal(got, x[sample_positions(np.asarray(
+        B.sample_uniform(300, B.generator(9))), 1000)])
+    edge = sample_positions(np.array([0.0, np.nextafter(1.0, 0.0), 0.5]), 2 ** 31 - 1)
+    assert edge.tolist() == [0, 2 ** 31 - 2, (2 ** 31 - 1) // 2]
 
 
 # ----------------------------------------------------------------- statistics
@@ -588,3 +603,64 @@ def test_thread_pool_regions_of_alternating_width():
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_batch_draws_come_before_a_tensor_op_entry_in_between(backend):
+    # a bucket whose middle tensor runs on tensor ops (its plan refused): the batch rows before
+    # it draw their samples first, so every tensor gets the draws one compress() per tensor gives
+    B = BACKENDS[backend]()
+    rng = np.random.default_rng(3)
+    data = {name: rng.standard_normal(n).astype(np.float32)
+            for name, n in (("a", 50_000), ("mid", 40_000), ("b", 30_000), ("c", 20_000))}
+    conv = (lambda x: x.copy()) if backend == "numpy" else (lambda x: torch.from_numpy(x.copy()))
+    cores = [DGCCore(DGCConfig(warmup_epochs=0, seed=4), B) for _ in range(2)]
+    for core in cores:
+        core.compress("mid", conv(data["mid"]), 2)          # creates its state (and one draw)
+        core.states["mid"].plan = False                    # tensor ops only for this one
+    for step in range(3):
+        grads = {name: rng.standard_normal(x.size).astype(np.float32) for name, x in data.items()}
+        many = cores[0].compress_many([(n, conv(g), None) for n, g in grads.items()], 2)
+        one = [cores[1].compress(n, conv(g), 2) for n, g in grads.items()]
+        for (k1, p1, _), (k2, p2, _) in zip(many, one):
+            assert k1 == k2 == "sparse" and np.array_equal(np.asarray(p1), np.asarray(p2)), step
+        for name in data:
+            for attr in ("u", "v"):
+                assert np.array_equal(np.asarray(getattr(cores[0].states[name], attr)),
+                                      np.asarray(getattr(cores[1].states[name], attr)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("odd", ["float16", "new", "strided"])
+def test_batch_keeps_entry_order_when_an_odd_entry_sits_in_the_middle(odd):
+    # every entry ends up in the batch, but the middle one is classified the long way (a float16
+    # gradient, a tensor seen for the first time, a non-contiguous gradient): the rows must still
+    # follow the entries' order
+    rng = np.random.default_rng(8)
+    sizes = {"a": 30_000, "mid": 20_000, "b": 10_000}
+    cores = [DGCCore(DGCConfig(warmup_epochs=0, seed=2), TorchBackend()) for _ in range(2)]
+    for step in range(3):
+        grads = {n: rng.standard_normal(k).astype(np.float32) for n, k in sizes.items()}
+
+        def entries():
+            out = []
+            for n, g in grads.items():
+                t = torch.from_numpy(g.copy())
+                if n == "mid" and odd == "float16":
+                    t = t.half()
+                elif n == "mid" and odd == "strided":
+                    t = torch.from_numpy(np.repeat(g, 2)).view(-1, 2)[:, 0]
+                out.append((n, t, None))
+            if odd == "new" and step == 0:                # "mid" first appears at step 1
+                return [e for e in out if e[0] != "mid"]
+            return out
+        many = cores[0].compress_many(entries(), 2)
+        one = [cores[1].compress(n, g, 2) for n, g, _ in entries()]
+        assert len(many) == len(one)
+        for (k1, p1, _), (k2, p2, _) in zip(many, one):
+            assert k1 == k2 and torch.equal(p1, p2), step
+        for n in cores[1].states:
+            for attr in ("u", "v"):
+                assert torch.equal(getattr(cores[0].states[n], attr),
+                                   getattr(cores[1].states[n], attr)), (step, n, attr)

@@ -122,11 +122,14 @@ def test_kernel_threshold_and_candidates_match_numpy():
         g = rng.standard_cauchy(n).astype(F32)
         g[rng.random(n) < 0.3] = 0.0
         u, v = np.zeros(n, F32), np.zeros(n, F32)
-        pos = rng.integers(0, n, size=s)
+        uni = rng.random(s)
+        uni[:2] = 0.0, np.nextafter(1.0, 0.0)               # the first and the last position
+        pos = np.minimum((uni * n).astype(np.int64), n - 1)   # sparsify.sample_positions, inline
+        assert pos[0] == 0 and pos[1] == n - 1
         cap = n
         cidx, cmag = np.empty(cap, np.int64), np.empty(cap, F32)
         thr, cnt, _ = kernels._kernels.step(g.ctypes.data, u.ctypes.data, v.ctypes.data, n, 1,
-                                         False, 0.9, 1.0, pos.ctypes.data, s, ks,
+                                         False, 0.9, 1.0, uni.ctypes.data, s, ks,
                                          cidx.ctypes.data, cmag.ctypes.data, cap)
         expected_thr = np.sort(np.abs(g[pos]))[::-1][ks - 1]
         assert thr == expected_thr
@@ -136,14 +139,16 @@ def test_kernel_threshold_and_candidates_match_numpy():
 
 
 @needs_kernels
-def test_kernel_rejects_positions_out_of_range():
+def test_kernel_rejects_sample_draws_outside_unit_interval():
     n = 100
     g, u, v = np.ones(n, F32), np.zeros(n, F32), np.zeros(n, F32)
-    pos = np.array([5, 100], dtype=np.int64)
     buf = np.empty(n, np.int64)
-    with pytest.raises(ValueError, match="out of range"):
-        kernels._kernels.step(g.ctypes.data, u.ctypes.data, v.ctypes.data, n, 1, False, 0.9, 1.0,
-                              pos.ctypes.data, 2, 1, buf.ctypes.data, buf.ctypes.data, n)
+    for bad in (1.0, -0.25, np.nan, np.inf):
+        uni = np.array([0.5, bad])
+        with pytest.raises(ValueError, match=r"sample draw outside \[0, 1\)"):
+            kernels._kernels.step(g.ctypes.data, u.ctypes.data, v.ctypes.data, n, 1, False, 0.9,
+                                  1.0, uni.ctypes.data, 2, 1, buf.ctypes.data, buf.ctypes.data, n)
+        assert not v.any() and not u.any()
 
 
 # ----------------------------------------------------------------- fused vs tensor-op path
@@ -352,18 +357,35 @@ def test_compress_many_checks_every_entry_before_any_change():
 def test_batch_kernel_rejects_bad_rows_without_touching_state():
     n = 1000
     g, u, v = np.ones(n, F32), np.zeros(n, F32), np.zeros(n, F32)
-    pos = np.array([5, 10_000], dtype=np.int64)            # 10,000 is out of range
+    uni = np.array([0.5, 1.5])                              # 1.5 is outside [0, 1)
     buf, mag = np.empty(n, np.int64), np.empty(n, F32)
+    out, vals, pay = np.empty(4, np.int64), np.empty(4, F32), np.empty(64, np.int32)
     from array import array
-    row = [g.ctypes.data, u.ctypes.data, v.ctypes.data, n, 1, 0, pos.ctypes.data, 2, 1,
+    row = [g.ctypes.data, u.ctypes.data, v.ctypes.data, n, 1, 0, 0, 2, 1,
            buf.ctypes.data, mag.ctypes.data, n, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
     d, f = array("q", row), array("d", [0.9, 1.0, 0.0])
-    with pytest.raises(ValueError, match="out of range"):
-        kernels._kernels.step_many(d.buffer_info()[0], f.buffer_info()[0], 1, 2)
+
+    def run(nuni=2, nk=4):
+        kernels._kernels.step_many(d.buffer_info()[0], f.buffer_info()[0], 1, 2, out.ctypes.data,
+                                   vals.ctypes.data, 0, pay.ctypes.data, nk, 64,
+                                   uni.ctypes.data, nuni)
+    with pytest.raises(ValueError, match=r"sample draw outside \[0, 1\)"):
+        run()
     assert not v.any() and not u.any()
+    uni[1] = 0.25
+    with pytest.raises(ValueError, match="bad batch row"):
+        run(nuni=1)                                         # its draws lie past the buffer
+    d[12], d[18] = 2, 16                                    # k = 2, 16 payload words
+    with pytest.raises(ValueError, match="bad batch row"):
+        run(nk=1)                                           # its k entries lie past the buffer
+    run()                                                   # a valid row runs
+    assert (d[6], d[13], d[17]) == (0, 0, 0)                # its offsets, written by the kernel
+    assert v.any()
+    v[:], u[:] = 0.0, 0.0
     d[1] = 0                                                # mode 1 without u
     with pytest.raises(ValueError, match="bad batch row"):
-        kernels._kernels.step_many(d.buffer_info()[0], f.buffer_info()[0], 1, 2)
+        run()
+    assert not v.any()
     d = array("q", [g.ctypes.data, -1, 0])
     with pytest.raises(ValueError, match="bad batch row"):
         kernels._kernels.finite_many(d.buffer_info()[0], 1, 2)
@@ -394,7 +416,7 @@ def test_batch_kernel_settles_too_few_and_too_many_candidates_like_the_backend()
         run(self, like)
         for r, row in enumerate(self.rows):
             plan, cnt = row[1], self.desc[r * 24 + 21]
-            if r in self.finished and plan.sampled:
+            if r in self.finished() and plan.sampled:
                 seen["too_few"] += 2 * cnt < plan.k
                 seen["over_cap"] += cnt > plan.cap
     kernels.Batch.run = spy

@@ -13,12 +13,13 @@
  *
  * Functions (all pointers are addresses as Python ints; arrays are contiguous):
  *   all_finite(x, n[, threads]) -> bool                    float32 x[n] has no NaN/Inf
- *   step(g, u, v, n, mode, fma, m, s, pos, npos, ks, cidx, cmag, cap[, threads, k, out])
+ *   step(g, u, v, n, mode, fma, m, s, uni, npos, ks, cidx, cmag, cap[, threads, k, out])
  *         -> (threshold, count, selected)
  *       1. momentum correction of accumulate.momentum_correction in place, one pass over g, u, v
  *          (mode 0: m = 0, 1: classic, 2: Nesterov; u is 0 for mode 0; s the clipping scale),
  *          recording the largest |v| of every 64-element block;
- *       2. with npos > 0: threshold = the ks-th largest |v| over the int64 positions pos[npos];
+ *       2. with npos > 0: threshold = the ks-th largest |v| over the sampled positions
+ *          min(floor(uni[j] * n), n - 1) of the float64 uniform draws uni[npos] in [0, 1);
  *          the positions with |v| >= threshold (only blocks whose maximum reaches it are read
  *          again) go to cidx (int64) and their magnitudes to cmag (float32), ascending, at most
  *          cap of them; count is the full number of candidates (count > cap: the caller rescans);
@@ -103,7 +104,7 @@ static void *scratch(int slot, size_t bytes) {
 typedef struct {
     const float *g; float *u, *v; i64 n, b0, b1; float m, s; uint32_t *bmax;
     int mode, fma, unit;
-    const i64 *pos; i64 j0, j1; float *smp;         /* the sample gather */
+    const double *uni; i64 j0, j1; float *smp;      /* the sample gather */
     const float *x; i64 i0, i1; int ok;             /* the finiteness check */
 } job_t;
 
@@ -185,14 +186,27 @@ static int have_avx2(void) {
 #define FINITE_FN finite_generic
 #endif
 
+/* The sampled position of a uniform draw u in [0, 1) for n entries: floor(u * n), at most n - 1
+ * (sparsify.sample_positions: u * n is rounded once in float64, as every backend computes it). */
+ALWAYS_INLINE i64 sample_position(double u, i64 n) {
+    const i64 p = (i64)(u * (double)n);
+    return p < n ? p : n - 1;
+}
+ALWAYS_INLINE int uniforms_ok(const double *uni, i64 npos) {
+    for (i64 j = 0; j < npos; j++)
+        if (!(uni[j] >= 0.0 && uni[j] < 1.0)) return 0;
+    return 1;
+}
+
 #define MAX_THREADS 64
 static void *gather_worker(void *p) {
     job_t *j = (job_t *)p;
     const float *v = j->v;
-    const i64 *pos = j->pos;
+    const double *uni = j->uni;
+    const i64 n = j->n;
     for (i64 k = j->j0; k < j->j1; k++) {
-        if (k + 32 < j->j1) __builtin_prefetch(v + pos[k + 32]);
-        j->smp[k] = fabsf(v[pos[k]]);
+        if (k + 32 < j->j1) __builtin_prefetch(v + sample_position(uni[k + 32], n));
+        j->smp[k] = fabsf(v[sample_position(uni[k], n)]);
     }
     return NULL;
 }
@@ -335,6 +349,50 @@ static int finite_impl(const float *x, i64 n, int threads) {
     return ok;
 }
 
+/* The positions i0 + i (0 <= i < len) with |p[i]| >= t, ascending, appended to cidx / cmag from
+ * entry c on (at most cap entries are written); returns the new count. */
+ALWAYS_INLINE i64 block_hits_body(const float *p, i64 len, float t, i64 i0, i64 *cidx,
+                                  float *cmag, i64 c, i64 cap) {
+    for (i64 i = 0; i < len; i++) {
+        float a = fabsf(p[i]);
+        if (a >= t) {
+            if (c < cap) { cidx[c] = i0 + i; cmag[c] = a; }
+            c++;
+        }
+    }
+    return c;
+}
+static i64 block_hits_generic(const float *p, i64 len, float t, i64 i0, i64 *cidx, float *cmag,
+                              i64 c, i64 cap) {
+    return block_hits_body(p, len, t, i0, cidx, cmag, c, cap);
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* The same with AVX2: eight magnitudes compared at once; only lanes that reach t are visited
+ * (in ascending order, so the output is the scalar loop's). */
+__attribute__((target("avx2"))) static i64 block_hits_avx2(const float *p, i64 len, float t,
+                                                         i64 i0, i64 *cidx, float *cmag, i64 c,
+                                                         i64 cap) {
+    const __m256 vt = _mm256_set1_ps(t);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    i64 i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(p + i), absmask);
+        unsigned m = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, vt, _CMP_GE_OQ));
+        while (m) {
+            const int l = __builtin_ctz(m);
+            m &= m - 1;
+            if (c < cap) { cidx[c] = i0 + i + l; cmag[c] = fabsf(p[i + l]); }
+            c++;
+        }
+    }
+    return block_hits_body(p + i, len - i, t, i0 + i, cidx, cmag, c, cap);
+}
+#define BLOCK_HITS_FN (have_avx2() ? block_hits_avx2 : block_hits_generic)
+#else
+#define BLOCK_HITS_FN block_hits_generic
+#endif
+
 /* The top-k of the c candidates in ascending position order into out, when that set is unique
  * (no tie straddles the k-th largest magnitude) and c >= k; or all of them when k/2 <= c <= k.
  * Returns the number written, or -1 (ties, too few: the caller takes the backend's top-k). */
@@ -378,26 +436,19 @@ static i64 candidates(const float *v, i64 n, const uint32_t *bmax, float t, uint
         head = (head + 1) % LOOKAHEAD;
         queued--;
         const i64 i0 = b * BLOCK, len = (n - i0 < BLOCK) ? n - i0 : BLOCK;
-        for (i64 i = 0; i < len; i++) {
-            float a = fabsf(v[i0 + i]);
-            if (a >= t) {
-                if (c < cap) { cidx[c] = i0 + i; cmag[c] = a; }
-                c++;
-            }
-        }
+        c = BLOCK_HITS_FN(v + i0, len, t, i0, cidx, cmag, c, cap);
     }
     return c;
 }
 
 static int step_impl(int mode, int fma, int unit, const float *g, float *u, float *v, i64 n,
-                     float m, float s, const i64 *pos, i64 npos, i64 ks, i64 *cidx, float *cmag,
+                     float m, float s, const double *uni, i64 npos, i64 ks, i64 *cidx, float *cmag,
                      i64 cap, int threads, float *thr_out, i64 *count_out) {
     const i64 nblocks = (n + BLOCK - 1) / BLOCK;
     uint32_t *bmax = NULL;
     float *smp = NULL;
     if (npos > 0) {
-        for (i64 j = 0; j < npos; j++)
-            if (pos[j] < 0 || pos[j] >= n) return -2;
+        if (!uniforms_ok(uni, npos)) return -2;
         bmax = (uint32_t *)scratch(0, (size_t)(nblocks ? nblocks : 1) * sizeof(uint32_t));
         smp = (float *)scratch(1, (size_t)npos * sizeof(float));
         if (!bmax || !smp) return -1;
@@ -410,7 +461,7 @@ static int step_impl(int mode, int fma, int unit, const float *g, float *u, floa
         j->g = g; j->u = u; j->v = v; j->n = n; j->m = m; j->s = s; j->bmax = bmax;
         j->mode = mode; j->fma = fma; j->unit = unit;
         j->b0 = nblocks * t / T; j->b1 = nblocks * (t + 1) / T;
-        j->pos = pos; j->smp = smp; j->j0 = npos * t / T; j->j1 = npos * (t + 1) / T;
+        j->uni = uni; j->smp = smp; j->j0 = npos * t / T; j->j1 = npos * (t + 1) / T;
     }
     /* 1. the update, one pass over g, u, v */
     run_jobs(UPDATE_FN, jobs, T);
@@ -509,10 +560,15 @@ static int finish_impl(i64 *idx, i64 c, float *v, float *u, int mask_u, int sort
  *
  * finite_many(desc, count[, threads]): desc is an int64 array of count triples (x, n, ok); sets
  *   ok = 1 when float32 x[n] has no NaN/Inf, else 0. Work is split in chunks over the pool.
- * step_many(desc, fdesc, count[, threads, out, vals, usent, payload]): desc is an int64 array
- *   of count rows of NF fields (the F_* below), fdesc a float64 array of count rows (m, s,
- *   threshold); out, vals, usent, payload are the batch buffers (below). Per tensor it does
- *   what step() and then, when it selected (nsel >= 0) and payload != 0, what finish() does, with
+ * step_many(desc, fdesc, count[, threads, out, vals, usent, payload, nk, nw, uni, nuni]): desc
+ *   is an int64 array of count rows of NF fields (the F_* below), fdesc a float64 array of count
+ *   rows (m, s, threshold); out (int64), vals, usent (float32) of nk entries, payload (int32) of
+ *   nw words and uni (float64 uniform draws) of nuni entries are the batch buffers. The rows'
+ *   regions in them follow one another in row order, and step_many writes each row's offsets:
+ *   F_POS (its npos draws in uni), F_OUT (k entries of out, vals and, when F_USENT is 1, usent)
+ *   and F_PAY (cap_words words of payload); a row with k = 0 is not finished here and has no
+ *   region in out or payload. Per tensor it does
+ *   what step() and then, when it selected (nsel >= 0) and k > 0, what finish() does, with
  *   the same arithmetic (so the same results as the per-tensor calls). It also settles two cases
  *   that step() leaves to the caller, with the set the backend's top-k would choose: more
  *   candidates than cap (collected again into temporary buffers) and fewer than k/2 (a lower
@@ -520,11 +576,14 @@ static int finish_impl(i64 *idx, i64 c, float *v, float *u, int mask_u, int sort
  *   unique. Outputs: count, nsel,
  *   words, and the threshold in fdesc. Then it compacts: the selected indices (out), values
  *   (vals), u at the sent positions (usent) and payloads of the tensors it finished are moved to
- *   the front of their batch buffers, in tensor order, each row's out/vals/usent region being k
- *   entries and its payload region cap_words words (contiguous, in row order). Tensors with
+ *   the front of their batch buffers, in tensor order. Tensors with
  *   nsel < 0 are left to the caller (ties at the k-th magnitude, threshold 0, no sampling).
- *   Phases: (1) the update of every tensor, in chunks of 1024 blocks (65,536 elements) over the
- *   pool; a tensor of one chunk or less is then finished by the same task while it is in cache;
+ *   A small tensor (at most SMALL_NUMEL elements) has its gradient checked for NaN/Inf by the
+ *   task that updates it, just before: if it has any, its state is left as it is and its nsel
+ *   is NONFINITE (the caller checks larger tensors beforehand, with finite_many).
+ *   Phases: (1) the update of every tensor over the pool: a small tensor (at most SMALL_BLOCKS
+ *   blocks) is one task that checks, updates and finishes it while it is in cache, a larger one
+ *   is cut in chunks of CHUNK_BLOCKS blocks (65,536 elements);
  *   (2) the gather of the sampled magnitudes of the larger tensors, in chunks; (3) per larger
  *   tensor, largest first: threshold, candidates, selection, gather/clear/encode. All arguments
  *   are checked before any state changes. */
@@ -534,8 +593,15 @@ enum { F_G, F_U, F_V, F_N, F_MODE, F_FMA, F_POS, F_NPOS, F_KS, F_CIDX, F_CMAG, F
 enum { D_M, D_S, D_THR, ND };
 
 typedef struct { i64 t, lo, hi; } range_t;
+#ifndef SMALL_BLOCKS
+#define SMALL_BLOCKS 4096         /* a tensor of at most 4096 blocks (262,144 elements: v is 1 MiB,
+                                     it stays in L2 from its update to its selection) is "small" */
+#endif
+#define SMALL_NUMEL ((i64)SMALL_BLOCKS * BLOCK)
+#define NONFINITE (-2)                           /* F_NSEL of a small row whose g has NaN/Inf */
 typedef struct {
     i64 *d; double *f; i64 nt;
+    i64 *o; float *vals, *usent; int32_t *pay; const double *uni;   /* the batch buffers */
     i64 *boff, *soff; uint32_t *bmax; float *smp;
     range_t *r; i64 nr; i64 *order; char *small; int rc;
 } batch_t;
@@ -567,8 +633,17 @@ static void select_one(batch_t *b, i64 t);
 static void update_task(void *c, i64 k) {
     batch_t *b = (batch_t *)c;
     const range_t *r = &b->r[k];
-    const i64 *row = b->d + NF * r->t;
-    const double *f = b->f + ND * r->t;
+    i64 *row = b->d + NF * r->t;
+    double *f = b->f + ND * r->t;
+    if (b->small[r->t]) {                /* checked here, while g comes into cache for the update */
+        job_t q; memset(&q, 0, sizeof q);
+        q.x = (const float *)(uintptr_t)row[F_G]; q.i0 = 0; q.i1 = row[F_N];
+        FINITE_FN(&q);
+        if (!q.ok) {                     /* NaN/Inf: the state stays as it is */
+            row[F_COUNT] = 0; row[F_NSEL] = NONFINITE; row[F_WORDS] = 0; f[D_THR] = 0.0;
+            return;
+        }
+    }
     job_t j; memset(&j, 0, sizeof j);
     j.g = (const float *)(uintptr_t)row[F_G]; j.u = (float *)(uintptr_t)row[F_U];
     j.v = (float *)(uintptr_t)row[F_V]; j.n = row[F_N];
@@ -580,7 +655,7 @@ static void update_task(void *c, i64 k) {
     if (b->small[r->t]) {                /* the whole tensor: gather and select it now */
         if (row[F_NPOS] > 0) {
             job_t q; memset(&q, 0, sizeof q);
-            q.v = j.v; q.pos = (const i64 *)(uintptr_t)row[F_POS];
+            q.v = j.v; q.n = j.n; q.uni = b->uni + row[F_POS];
             q.smp = b->smp + b->soff[r->t]; q.j0 = 0; q.j1 = row[F_NPOS];
             gather_worker(&q);
         }
@@ -593,7 +668,7 @@ static void gather_task(void *c, i64 k) {
     const range_t *r = &b->r[k];
     const i64 *row = b->d + NF * r->t;
     job_t j; memset(&j, 0, sizeof j);
-    j.v = (float *)(uintptr_t)row[F_V]; j.pos = (const i64 *)(uintptr_t)row[F_POS];
+    j.v = (float *)(uintptr_t)row[F_V]; j.n = row[F_N]; j.uni = b->uni + row[F_POS];
     j.smp = b->smp + b->soff[r->t]; j.j0 = r->lo; j.j1 = r->hi;
     gather_worker(&j);
 }
@@ -648,9 +723,9 @@ static void select_one(batch_t *b, i64 t) {
     float *cmag = (float *)(uintptr_t)row[F_CMAG];
     const i64 cnt = candidates(v, n, b->bmax + b->boff[t], thr, absbits(thr), cidx, cmag, cap);
     f[D_THR] = thr; row[F_COUNT] = cnt;
-    i64 *out = (i64 *)(uintptr_t)row[F_OUT];
     const i64 k = row[F_K];
-    if (!out || k <= 0 || thr <= 0.0f) return;
+    if (k <= 0 || thr <= 0.0f) return;
+    i64 *out = b->o + row[F_OUT];
     const uint32_t *bmax = b->bmax + b->boff[t];
     i64 nsel = -1;
     if (2 * cnt < k) {
@@ -672,11 +747,11 @@ static void select_one(batch_t *b, i64 t) {
         nsel = choose(v, n, bmax, thr, cnt, k, cidx, cmag, cap, out);
     }
     row[F_NSEL] = nsel;
-    if (nsel < 0 || !row[F_PAY]) return;
+    if (nsel < 0) return;
     i64 words = 0;
     int rc = finish_impl(out, nsel, v, (float *)(uintptr_t)row[F_U], (int)row[F_MASKU],
-                         (int)row[F_SORT], (float *)(uintptr_t)row[F_VALS],
-                         (float *)(uintptr_t)row[F_USENT], (int32_t *)(uintptr_t)row[F_PAY],
+                         (int)row[F_SORT], b->vals + row[F_OUT],
+                         row[F_USENT] ? b->usent + row[F_OUT] : NULL, b->pay + row[F_PAY],
                          row[F_CAPW], n, (int)row[F_FLAGS], &words);
     if (rc) { b->rc = rc; row[F_NSEL] = -1; return; }
     row[F_WORDS] = words;
@@ -693,35 +768,41 @@ static int by_size_desc(const void *a, const void *b) {
     return x->n < y->n ? 1 : x->n > y->n ? -1 : (x->t > y->t) - (x->t < y->t);
 }
 
-static int check_rows(const i64 *d, i64 nt) {
-    for (i64 t = 0; t < nt; t++) {
-        const i64 *row = d + NF * t;
-        const i64 n = row[F_N], npos = row[F_NPOS], mode = row[F_MODE];
+/* Every row's fields, its regions of the batch buffers (sizes nk, nw, nuni) and its uniforms. */
+static int check_rows(const batch_t *b, i64 nk, i64 nw, i64 nuni) {
+    for (i64 t = 0; t < b->nt; t++) {
+        const i64 *row = b->d + NF * t;
+        const i64 n = row[F_N], npos = row[F_NPOS], mode = row[F_MODE], k = row[F_K];
         if (n < 0 || mode < 0 || mode > 2 || (mode && !row[F_U]) || !row[F_G] || !row[F_V]
-            || npos < 0 || (npos && (row[F_KS] < 1 || row[F_KS] > npos || !row[F_POS]
+            || npos < 0 || (npos && (row[F_KS] < 1 || row[F_KS] > npos || row[F_POS] < 0
+                                     || row[F_POS] > nuni - npos || !b->uni
                                      || !row[F_CIDX] || !row[F_CMAG] || row[F_CAP] < 0))
-            || ((row[F_MASKU] || row[F_USENT]) && !row[F_U]) || (row[F_PAY] && !row[F_VALS]))
+            || ((row[F_MASKU] || row[F_USENT]) && !row[F_U]) || k < 0
+            || (k && (!npos || row[F_OUT] < 0 || row[F_OUT] > nk - k || !b->o || !b->vals
+                      || row[F_PAY] < 0 || row[F_CAPW] < 0 || row[F_PAY] > nw - row[F_CAPW]
+                      || !b->pay || (row[F_USENT] && !b->usent))))
             return -5;
-        const i64 *pos = (const i64 *)(uintptr_t)row[F_POS];
-        for (i64 j = 0; j < npos; j++)
-            if (pos[j] < 0 || pos[j] >= n) return -2;
+        if (npos && !uniforms_ok(b->uni + row[F_POS], npos)) return -2;
     }
     return 0;
 }
 
-static int step_many_impl(i64 *d, double *f, i64 nt, int threads, void *const base_[4]) {
+static int step_many_impl(i64 *d, double *f, i64 nt, int threads, i64 *o, float *vals,
+                          float *usent, int32_t *pay, const double *uni, i64 nk, i64 nw,
+                          i64 nuni) {
     if (nt <= 0) return 0;
-    i64 *const b0 = (i64 *)base_[0];
-    struct { i64 *o; float *v, *u; int32_t *p; } bb = {b0, (float *)base_[1], (float *)base_[2],
-                                                      (int32_t *)base_[3]};
-
-    int rc = check_rows(d, nt);
-    if (rc) return rc;
-    for (i64 t = 0; t < nt; t++)
-        if (d[NF * t + F_PAY] && (!bb.o || !bb.v || !bb.p || (d[NF * t + F_USENT] && !bb.u)))
-            return -5;
     batch_t b; memset(&b, 0, sizeof b);
     b.d = d; b.f = f; b.nt = nt;
+    b.o = o; b.vals = vals; b.usent = usent; b.pay = pay; b.uni = uni;
+    /* the rows' regions of the batch buffers, one after the other in row order */
+    for (i64 t = 0, po = 0, ko = 0, wo = 0; t < nt; t++) {
+        i64 *row = d + NF * t;
+        row[F_POS] = po; row[F_OUT] = ko; row[F_PAY] = wo;
+        if (row[F_NPOS] > 0) po += row[F_NPOS];
+        if (row[F_K] > 0) { ko += row[F_K]; if (row[F_CAPW] > 0) wo += row[F_CAPW]; }
+    }
+    int rc = check_rows(&b, nk, nw, nuni);
+    if (rc) return rc;
     b.boff = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
     b.soff = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
     b.order = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
@@ -733,9 +814,9 @@ static int step_many_impl(i64 *d, double *f, i64 nt, int threads, void *const ba
         const i64 blocks = (row[F_N] + BLOCK - 1) / BLOCK;
         b.boff[t] = nblk; b.soff[t] = nsmp;
         if (row[F_NPOS] > 0) { nblk += blocks; nsmp += row[F_NPOS]; }
-        nranges += (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS
+        nranges += (blocks <= SMALL_BLOCKS ? 1 : (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS)
                    + (row[F_NPOS] + CHUNK_SAMPLES - 1) / CHUNK_SAMPLES;
-        b.small[t] = blocks <= CHUNK_BLOCKS;   /* one task does all of it, in cache */
+        b.small[t] = blocks <= SMALL_BLOCKS;   /* one task does all of it, in cache */
         if (!b.small[t]) b.order[nbig++] = t;
     }
     b.bmax = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(nblk + 1));
@@ -744,8 +825,10 @@ static int step_many_impl(i64 *d, double *f, i64 nt, int threads, void *const ba
     if (!b.bmax || !b.smp || !b.r) { rc = -1; goto out; }
     /* 1. the updates */
     b.nr = 0;
-    for (i64 t = 0; t < nt; t++)
-        b.nr += make_ranges(b.r + b.nr, t, (d[NF * t + F_N] + BLOCK - 1) / BLOCK, CHUNK_BLOCKS);
+    for (i64 t = 0; t < nt; t++) {
+        const i64 blocks = (d[NF * t + F_N] + BLOCK - 1) / BLOCK;
+        b.nr += make_ranges(b.r + b.nr, t, blocks, b.small[t] ? SMALL_BLOCKS : CHUNK_BLOCKS);
+    }
     parallel(update_task, &b, b.nr, threads);
     /* 2. the sampled magnitudes of the large tensors */
     b.nr = 0;
@@ -767,13 +850,12 @@ static int step_many_impl(i64 *d, double *f, i64 nt, int threads, void *const ba
         for (i64 t = 0; t < nt; t++) {
             const i64 *row = d + NF * t;
             const i64 nsel = row[F_NSEL], words = row[F_WORDS];
-            if (!row[F_PAY] || nsel < 0) continue;
-            memmove(bb.o + oo, (i64 *)(uintptr_t)row[F_OUT], sizeof(i64) * (size_t)nsel);
-            memmove(bb.v + oo, (float *)(uintptr_t)row[F_VALS], sizeof(float) * (size_t)nsel);
+            if (row[F_K] <= 0 || nsel < 0) continue;
+            memmove(o + oo, o + row[F_OUT], sizeof(i64) * (size_t)nsel);
+            memmove(vals + oo, vals + row[F_OUT], sizeof(float) * (size_t)nsel);
             if (row[F_USENT])
-                memmove(bb.u + oo, (float *)(uintptr_t)row[F_USENT],
-                        sizeof(float) * (size_t)nsel);
-            memmove(bb.p + wo, (int32_t *)(uintptr_t)row[F_PAY], sizeof(int32_t) * (size_t)words);
+                memmove(usent + oo, usent + row[F_OUT], sizeof(float) * (size_t)nsel);
+            memmove(pay + wo, pay + row[F_PAY], sizeof(int32_t) * (size_t)words);
             oo += nsel; wo += words;
         }
     }
@@ -801,7 +883,7 @@ static int finite_many_impl(i64 *d, i64 nt, int threads) {
 }
 
 static PyObject *err(int rc) {
-    const char *what = rc == -1 ? "out of memory" : rc == -2 ? "position out of range"
+    const char *what = rc == -1 ? "out of memory" : rc == -2 ? "sample draw outside [0, 1)"
                      : rc == -3 ? "positions are not unique" : rc == -5 ? "bad batch row"
                      : "payload buffer too small";
     PyErr_Format(rc == -1 ? PyExc_MemoryError : PyExc_ValueError, "dgc_horovod kernel: %s", what);
@@ -819,11 +901,11 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_step(PyObject *self, PyObject *args) {
-    unsigned long long g, u, v, pos, cidx, cmag, out = 0;
+    unsigned long long g, u, v, uni, cidx, cmag, out = 0;
     long long n, npos, ks, cap, k = 0;
     int mode, fma, threads = 1;
     double m, s;
-    if (!PyArg_ParseTuple(args, "KKKLiiddKLLKKL|iLK", &g, &u, &v, &n, &mode, &fma, &m, &s, &pos,
+    if (!PyArg_ParseTuple(args, "KKKLiiddKLLKKL|iLK", &g, &u, &v, &n, &mode, &fma, &m, &s, &uni,
                           &npos, &ks, &cidx, &cmag, &cap, &threads, &k, &out))
         return NULL;
     if (mode < 0 || mode > 2 || (mode && !u) || n < 0 || npos < 0 || (npos && (ks < 1 || ks > npos))) {
@@ -837,7 +919,7 @@ static PyObject *py_step(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     rc = step_impl(mode, fma ? 1 : 0, sf == 1.0f, (const float *)(uintptr_t)g,
                    (float *)(uintptr_t)u, (float *)(uintptr_t)v, n, mf, sf,
-                   (const i64 *)(uintptr_t)pos, npos, ks, (i64 *)(uintptr_t)cidx,
+                   (const double *)(uintptr_t)uni, npos, ks, (i64 *)(uintptr_t)cidx,
                    (float *)(uintptr_t)cmag, cap, threads, &thr, &count);
     if (!rc && out && k > 0 && npos > 0 && thr > 0.0f && count <= cap)
         nsel = select_candidates((const i64 *)(uintptr_t)cidx, (const float *)(uintptr_t)cmag,
@@ -870,17 +952,21 @@ static PyObject *py_finish(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_step_many(PyObject *self, PyObject *args) {
-    unsigned long long d, f, o = 0, v = 0, u = 0, p = 0; long long nt; int threads = 1;
-    if (!PyArg_ParseTuple(args, "KKL|iKKKK", &d, &f, &nt, &threads, &o, &v, &u, &p)) return NULL;
-    void *base[4] = {(void *)(uintptr_t)o, (void *)(uintptr_t)v, (void *)(uintptr_t)u,
-                     (void *)(uintptr_t)p};
-    if (nt < 0 || (nt && (!d || !f))) {
+    unsigned long long d, f, o = 0, v = 0, u = 0, p = 0, uni = 0;
+    long long nt, nk = 0, nw = 0, nuni = 0; int threads = 1;
+    if (!PyArg_ParseTuple(args, "KKL|iKKKKLLKL", &d, &f, &nt, &threads, &o, &v, &u, &p, &nk,
+                          &nw, &uni, &nuni))
+        return NULL;
+    if (nt < 0 || (nt && (!d || !f)) || nk < 0 || nw < 0 || nuni < 0) {
         PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel step_many: bad arguments");
         return NULL;
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = nt ? step_many_impl((i64 *)(uintptr_t)d, (double *)(uintptr_t)f, nt, threads, base) : 0;
+    rc = nt ? step_many_impl((i64 *)(uintptr_t)d, (double *)(uintptr_t)f, nt, threads,
+                             (i64 *)(uintptr_t)o, (float *)(uintptr_t)v, (float *)(uintptr_t)u,
+                             (int32_t *)(uintptr_t)p, (const double *)(uintptr_t)uni, nk, nw,
+                             nuni) : 0;
     Py_END_ALLOW_THREADS
     if (rc) return err(rc);
     Py_RETURN_NONE;
@@ -903,10 +989,10 @@ static PyObject *py_finite_many(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(x, n) -> bool"},
-    {"step", py_step, METH_VARARGS, "step(g, u, v, n, mode, fma, m, s, pos, npos, ks, cidx, cmag, cap)"},
+    {"step", py_step, METH_VARARGS, "step(g, u, v, n, mode, fma, m, s, uni, npos, ks, cidx, cmag, cap)"},
     {"finish", py_finish, METH_VARARGS,
      "finish(idx, c, v, u, mask_u, sort, vals, usent, payload, cap_words, numel, flags) -> words"},
-    {"step_many", py_step_many, METH_VARARGS, "step_many(desc, fdesc, count[, threads, out, vals, usent, payload])"},
+    {"step_many", py_step_many, METH_VARARGS, "step_many(desc, fdesc, count[, threads, out, vals, usent, payload, nk, nw, uni, nuni])"},
     {"finite_many", py_finite_many, METH_VARARGS, "finite_many(desc, count[, threads])"},
     {NULL, NULL, 0, NULL}};
 
@@ -915,5 +1001,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     pthread_atfork(NULL, NULL, pool_after_fork_child);
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddIntConstant(m, "SMALL_NUMEL", (long)SMALL_NUMEL)
+              || PyModule_AddIntConstant(m, "NONFINITE", NONFINITE))) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

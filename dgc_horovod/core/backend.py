@@ -16,7 +16,7 @@ _UNKNOWN = object()
 
 class Backend:
     """Operations on flat tensors used by the DGC core. Every method must be implemented, except
-    the fused-kernel hooks at the end (kernel_ptr, kernel_fma, kernel_threads, sample_positions,
+    the fused-kernel hooks at the end (kernel_ptr, kernel_fma, kernel_threads, sample_uniform,
     empty, copy): their defaults opt out of :mod:`dgc_horovod.core.kernels`.
 
     Conventions: "float tensor" = float32, "index tensor" = int64 (positions in a flat tensor),
@@ -45,7 +45,8 @@ class Backend:
     # --- selection
     def topk_indices(self, x, k): raise NotImplementedError    # indices of the k largest of x
     def kth_largest(self, x, k): raise NotImplementedError     # the k-th largest value, scalar
-    def sample(self, x, s, generator): raise NotImplementedError  # s entries drawn uniformly
+    def sample(self, x, s, generator): raise NotImplementedError  # s entries drawn uniformly,
+                                                         # at sparsify.sample_positions
     def indices_where_ge(self, x, t): raise NotImplementedError  # positions where x >= t
     def drop_zeros(self, idx, mag): raise NotImplementedError  # idx where mag > 0
     def take(self, x, idx): raise NotImplementedError          # x[idx]
@@ -94,12 +95,13 @@ class Backend:
     def kernel_fma(self): return None                    # True / False: its float32 a*b + c
                                                          # rounds once / twice (kernels.calibrate);
                                                          # None: never use the kernels
-    def sample_positions(self, n, s, generator, out=None): raise NotImplementedError  # int64
-                                                         # (s,): the positions sample() draws for
-                                                         # n entries (written into out, an int64
-                                                         # (s,) tensor, when the backend can)
+    def sample_uniform(self, s, generator, out=None): raise NotImplementedError  # float64
+                                                         # (s,): the uniforms in [0, 1) sample()
+                                                         # draws (written into out, a float64
+                                                         # (s,) tensor, when given)
     def empty(self, n, dtype, like): raise NotImplementedError  # uninitialised (n,) tensor of
-                                                         # dtype "float32", "int64" or "int32"
+                                                         # dtype "float32", "float64", "int64" or
+                                                         # "int32"
     def copy(self, x): raise NotImplementedError         # a new tensor equal to x (same dtype)
     def kernel_threads(self): return 1                   # threads the kernels may use (as many
                                                          # as the framework's own CPU ops)
@@ -151,7 +153,10 @@ class NumpyBackend(Backend):
         return np.argpartition(-x, k - 1)[:k].astype(np.int64)
 
     def kth_largest(self, x, k): return np.partition(x, x.size - k)[x.size - k]
-    def sample(self, x, s, generator): return x[generator.integers(0, x.size, size=s)]
+    def sample(self, x, s, generator):
+        # sparsify.sample_positions: floor(u * n), at most n - 1, for s float64 uniforms u
+        pos = (generator.random(s) * x.size).astype(np.int64)
+        return x[np.minimum(pos, x.size - 1, out=pos)]
     def indices_where_ge(self, x, t): return np.flatnonzero(x >= t).astype(np.int64)
     def drop_zeros(self, idx, mag): return idx[mag > 0]
     def take(self, x, idx): return x[idx]
@@ -214,7 +219,8 @@ class NumpyBackend(Backend):
     def set_generator_state(self, generator, state):
         generator.bit_generator.state = copy.deepcopy(state)
 
-    _DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32}
+    _DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32,
+               "float64": np.float64}
 
     def kernel_grad_ptr(self, x):
         if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous:
@@ -223,7 +229,7 @@ class NumpyBackend(Backend):
 
     def kernel_ptr(self, x):
         if (isinstance(x, np.ndarray) and x.flags.c_contiguous
-                and x.dtype in (np.float32, np.int64, np.int32)):
+                and x.dtype in (np.float32, np.float64, np.int64, np.int32)):
             return x.ctypes.data
         return None
 
@@ -235,11 +241,11 @@ class NumpyBackend(Backend):
                                           rng.standard_normal(4099).astype(np.float32))
         return self._fma
 
-    def sample_positions(self, n, s, generator, out=None):
-        if out is not None:                  # (the caller's buffer has s entries)
-            out[:] = generator.integers(0, n, size=s)
+    def sample_uniform(self, s, generator, out=None):
+        if out is not None:                  # (a float64 buffer of s entries)
+            generator.random(out=out)
             return out
-        return generator.integers(0, n, size=s)
+        return generator.random(s)
     def empty(self, n, dtype, like=None): return np.empty(n, dtype=self._DTYPES[dtype])
     def copy(self, x): return x.copy()
 

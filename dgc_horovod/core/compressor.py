@@ -26,7 +26,10 @@ NaN gradient itself); every rank then returns NaN for that tensor — as a dense
 and the ranks that had sent entries put them back into their residual, so nothing is lost. A
 loss-scaling skip (torch.amp GradScaler) therefore skips the step on every rank alike. (The
 fused path checks every element exactly; the tensor-op path of the torch backend checks the
-float32 sum, so it also counts finite gradients whose sum overflows as non-finite.)
+float32 sum, so it also counts finite gradients whose sum overflows as non-finite.) A sparsified
+tensor's sample draws (s uniforms, see sparsify.sample_count) are drawn, and dropped, in a
+non-finite step too, so the random stream depends only on which tensors are compressed: one
+compress_many call draws a bucket's samples at once, before it knows which gradients are finite.
 """
 import threading
 import time
@@ -34,7 +37,7 @@ import time
 from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_local_norm,
                                          momentum_correction, restore_sent)
 from dgc_horovod.core.config import DGCConfig
-from dgc_horovod.core.sparsify import k_for, select_topk
+from dgc_horovod.core.sparsify import k_for, sample_count, select_topk
 from dgc_horovod.core.stats import CompressionStats
 from dgc_horovod.core.warmup import density_at
 from dgc_horovod.core import kernels, wire
@@ -398,15 +401,7 @@ class DGCCore:
         threads = B.kernel_threads() if gp is not None else 1
         if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
                 else B.all_finite(g)):
-            if st.sparse:
-                out = self._encode(st.numel, B.empty_indices(like=g), B.zeros(0, like=g),
-                                   wire.FLAG_NONFINITE)
-                result = ("sparse", out, SparseContext(name, st.numel, None, None, None))
-                nbytes = 4 * B.numel(out) + PLACEHOLDER_BYTES
-            else:
-                result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
-            self._count(st, 0, nbytes, True, time.perf_counter() - t0)
-            return result
+            return self._nonfinite(st, g, t0, drawn=False)
         if gp is not None:
             return self._compress_fused(st, plan, g, gp, world_size, param, t0, threads)
         scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
@@ -422,6 +417,25 @@ class DGCCore:
         k = k_for(st.numel, self.density)
         idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
         return self._finish_ops(st, idx, t0)
+
+    def _nonfinite(self, st, g, t0, drawn):
+        """What compress returns for a gradient g with NaN/Inf (st's state is not touched): a
+        sparsified tensor sends an empty payload flagged FLAG_NONFINITE, a dense one g itself.
+        A sparsified tensor's sample draws are made and dropped here unless ``drawn``."""
+        B = self.B
+        if st.sparse:
+            s = sample_count(st.numel, k_for(st.numel, self.density), self.config.sample_ratio,
+                             self.config.exact_topk)
+            if s and not drawn:
+                B.sample(st.v, s, self._generator)
+            out = self._encode(st.numel, B.empty_indices(like=st.v), B.zeros(0, like=st.v),
+                               wire.FLAG_NONFINITE)
+            result = ("sparse", out, SparseContext(st.name, st.numel, None, None, None))
+            nbytes = 4 * B.numel(out) + PLACEHOLDER_BYTES
+        else:
+            result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
+        self._count(st, 0, nbytes, True, time.perf_counter() - t0)
+        return result
 
     def compress_many(self, entries, world_size):
         """Compress several gradients at once (a bucket): the same results, state and random
@@ -443,100 +457,200 @@ class DGCCore:
             a repeated name); every entry is checked before any state changes.
         """
         entries = list(entries)
-        names, check = set(), self._check_entry
-        for name, grad, param in entries:
-            if name in names:
-                raise ValueError(f"compress_many: the tensor {name!r} appears twice")
-            names.add(name)
-            check(name, grad, param)
+        if len({e[0] for e in entries}) != len(entries):
+            seen = set()
+            for name, _, _ in entries:
+                if name in seen:
+                    raise ValueError(f"compress_many: the tensor {name!r} appears twice")
+                seen.add(name)
         if not self.use_kernels or len(entries) < 2:
+            for name, grad, param in entries:
+                self._check_entry(name, grad, param)
             return [self.compress(name, grad, world_size, param=param)
                     for name, grad, param in entries]
         B, c = self.B, self.config
         t0 = time.perf_counter()
-        results = [None] * len(entries)
         with self._lock:
-            density = self.density
-            threads = B.kernel_threads()
-            fused = {}                                   # entry index -> (st, plan, g, gp)
-            states = self.states
-            for i, (name, grad, _) in enumerate(entries):
+            states, density = self.states, self.density
+            numel, grad_ptr = B.numel, B.kernel_grad_ptr
+            needs_param = bool(c.weight_decay)
+            # the usual entry: a sparsified tensor with its fused plan and a float32 gradient in
+            # host memory (kernel_grad_ptr: contiguous float32) of its size. Anything else is
+            # checked in full below, before any state changes, and classified then.
+            fused, others = {}, []          # entry index -> (st, plan, g, gp); the other entries
+            for i, (name, grad, param) in enumerate(entries):
+                st = states.get(name)
+                plan = st.plan if st is not None else None
+                gp = grad_ptr(grad) if plan and st.sparse else None
+                if (gp is not None and plan.u is st.u and plan.v is st.v
+                        and st.numel == numel(grad) and not (needs_param and param is None)):
+                    fused[i] = (st, plan, grad, gp)
+                else:
+                    others.append(i)
+            check = self._check_entry
+            for i in others:
+                check(*entries[i])
+            for i in others:
+                name, grad, _ = entries[i]
                 st = states.get(name)
                 if st is None:
                     st = self._state(name, grad)
                 if not st.sparse:
                     continue
-                plan = st.plan
-                if not (plan and plan.u is st.u and plan.v is st.v):
-                    plan = self._usable_plan(st, B.float32_view(grad))
-                    if not plan:
-                        continue
-                gp = B.kernel_grad_ptr(grad)             # the gradient itself: no view made
-                if gp is None:                           # e.g. float16: a float32 copy
-                    g = B.float32_view(grad)
-                    gp = B.kernel_ptr(g)
-                    if gp is None:
-                        continue
-                else:
-                    g = grad
-                fused[i] = (st, plan, g, gp)
-            finite = kernels.finite_many([(f[3], f[0].numel) for f in fused.values()], threads)
-            for i, ok in zip(list(fused), finite):
-                if not ok:
-                    del fused[i]
-            batch, rows = kernels.Batch(self, threads), []
-            add = batch.add
-            counts = [()] * len(entries)    # statistics rows per entry, added in entry order
-            t_other = 0.0                   # time spent on the entries outside the batch
-            self._deferred = []
-            try:
-                # in entry order, so the random draws come in the order compress() makes them
-                for i, (name, grad, param) in enumerate(entries):
-                    f = fused.get(i)
-                    if f is None:
-                        t1 = time.perf_counter()
-                        results[i] = self._compress_locked(name, grad, world_size, param, t1)
-                        counts[i], self._deferred = self._deferred, []
-                        t_other += time.perf_counter() - t1
-                        continue
-                    st, plan, g, gp = f
-                    if density != plan.density:
-                        plan.set_density(B, st.numel, c, density)
-                    scale = 1.0
-                    if c.clip_norm is not None or c.weight_decay:
-                        g = B.float32_view(g)
-                        scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
-                        if c.weight_decay:
-                            g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay,
-                                                 scale)
-                            gp, scale = B.kernel_ptr(g), 1.0
-                    rows.append(i)
-                    add(st, plan, g, gp, scale)
-                if rows:
-                    batch.run(like=batch.rows[0][0].v)
-                    share = (time.perf_counter() - t0 - t_other) / sum(
-                        row[0].numel for row in batch.rows)
-                    finished, masked = batch.finished, batch.masking
-                    for r, i in enumerate(rows):
-                        done = finished.get(r)
-                        if done is None:
-                            st, plan, thr, cnt = batch.result(r)
-                            idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
-                            results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
-                                                            density)
-                            counts[i], self._deferred = self._deferred, []
-                            continue
-                        st = batch.rows[r][0]
-                        payload, start, count, words = done
-                        counts[i] = ((st, count, 4 * words + PLACEHOLDER_BYTES, False,
-                                      share * st.numel, density),)
-                        results[i] = ("sparse", payload, _BatchContext(
-                            st.name, st.numel, batch, start, count, masked))
-                    batch.release()          # the contexts keep only the output buffers
-            finally:
-                self._deferred = None
+                g = B.float32_view(grad)                 # e.g. float16: a float32 copy
+                if not self._usable_plan(st, g):
+                    continue
+                plan, gp = st.plan, B.kernel_ptr(g)
+                if gp is not None:
+                    fused[i] = (st, plan, g, gp)
+            if others:
+                fused = dict(sorted(fused.items()))      # in entry order
+            threads = B.kernel_threads()
+            # the large gradients are checked for NaN/Inf now, the small ones by the batch kernel
+            small = kernels.SMALL_NUMEL
+            large = [i for i, f in fused.items() if f[0].numel > small]
+            if large:
+                finite = kernels.finite_many([(fused[i][3], fused[i][0].numel) for i in large],
+                                             threads)
+                for i, ok in zip(large, finite):
+                    if not ok:
+                        del fused[i]
+            if len(fused) == len(entries):
+                return self._compress_batch(entries, fused, world_size, threads, t0)
+            return self._compress_mixed(entries, fused, world_size, threads, t0)
+
+    def _add_rows(self, batch, rows, world_size):
+        """Add the fused entries rows = [(entry, (st, plan, g, gp))] to batch (their plans at the
+        current density; clipping and weight decay applied)."""
+        B, c, density = self.B, self.config, self.density
+        simple = c.clip_norm is None and not c.weight_decay
+        add = batch.add
+        for (_, _, param), (st, plan, g, gp) in rows:
+            if density != plan.density:
+                plan.set_density(B, st.numel, c, density)
+            scale = 1.0
+            if not simple:
+                g = B.float32_view(g)
+                scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
+                if c.weight_decay:
+                    g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
+                    gp, scale = B.kernel_ptr(g), 1.0
+            add(st, plan, g, gp, scale)
+
+    def _compress_batch(self, entries, fused, world_size, threads, t0):
+        """compress_many when every entry is in the batch (the usual bucket)."""
+        batch = kernels.Batch(self, threads)
+        self._add_rows(batch, zip(entries, fused.values()), world_size)
+        batch.run(like=batch.rows[0][0].v)
+        seconds = time.perf_counter() - t0
+        if batch.all_finished:
+            masked, ctx = batch.masking, _BatchContext
+            sts = [row[0] for row in batch.rows]
+            results = [("sparse", pay, ctx(st.name, st.numel, batch, start, cnt, masked))
+                       for st, pay, start, cnt in zip(sts, batch.payloads, batch.starts,
+                                                      batch.counts)]
+            batch.release()
+            self._count_batch(sts, batch.counts, batch.words, seconds, self.density)
+            return results
+        return self._batch_results(batch, list(range(len(entries))), [()] * len(entries),
+                                   [None] * len(entries), seconds)
+
+    def _compress_mixed(self, entries, fused, world_size, threads, t0):
+        """compress_many when some entries run as in compress (dense, non-finite large, ...)."""
+        results = [None] * len(entries)
+        batch, rows = kernels.Batch(self, threads), []
+        counts = [()] * len(entries)    # statistics rows per entry, added in entry order
+        t_other = 0.0                   # time spent on the entries outside the batch
+        self._deferred = []
+        try:
+            # in entry order, so the random draws come in the order compress() makes them
+            for i, (name, grad, param) in enumerate(entries):
+                f = fused.get(i)
+                if f is None:
+                    batch.draw()                 # the batch rows' draws come first
+                    t1 = time.perf_counter()
+                    results[i] = self._compress_locked(name, grad, world_size, param, t1)
+                    counts[i], self._deferred = self._deferred, []
+                    t_other += time.perf_counter() - t1
+                    continue
+                rows.append(i)
+                self._add_rows(batch, (((name, grad, param), f),), world_size)
+            if rows:
+                batch.run(like=batch.rows[0][0].v)
+                self._batch_results(batch, rows, counts, results,
+                                    time.perf_counter() - t0 - t_other)
+        finally:
+            self._deferred = None
+        self._count_rows([row for entry in counts for row in entry])
+        return results
+
+    def _batch_results(self, batch, rows, counts, results, seconds):
+        """Fill results[i] and counts[i] (statistics rows) for the batch rows (entry indices
+        rows, in batch order) after batch.run(); the rows the kernel left finish here."""
+        density, masked = self.density, batch.masking
+        share = seconds / sum(row[0].numel for row in batch.rows)
+        finished = batch.finished()
+        deferred, self._deferred = self._deferred, []
+        try:
+            for r, i in enumerate(rows):
+                done = finished.get(r)
+                if done is None:
+                    st, plan, thr, cnt = batch.result(r)
+                    if cnt is None:                          # NaN/Inf: state untouched
+                        results[i] = self._nonfinite(st, batch.rows[r][2], time.perf_counter(),
+                                                     drawn=True)
+                    else:
+                        idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
+                        results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
+                                                        density)
+                    counts[i], self._deferred = self._deferred, []
+                    continue
+                st = batch.rows[r][0]
+                payload, start, count, words = done
+                counts[i] = ((st, count, 4 * words + PLACEHOLDER_BYTES, False,
+                              share * st.numel, density),)
+                results[i] = ("sparse", payload, _BatchContext(
+                    st.name, st.numel, batch, start, count, masked))
+        finally:
+            self._deferred = deferred
+        batch.release()                  # the contexts keep only the output buffers
+        if deferred is None:             # called by _compress_batch: count here
             self._count_rows([row for entry in counts for row in entry])
         return results
+
+    def _count_batch(self, sts, counts, words, seconds, density):
+        """Statistics of a batch whose rows the kernel all finished, as :meth:`_count_rows`
+        counts them row by row: sts (TensorState per row, in order; distinct names), counts /
+        words (selected entries and payload words per row), seconds (the whole call, shared by
+        element count). A step begins at the first row whose tensor this step has seen."""
+        names = self._step_names
+        j = next((r for r, st in enumerate(sts) if st.name in names), len(sts))
+        share = seconds / sum(st.numel for st in sts)
+        self._add_segment(sts[:j], counts[:j], words[:j], share, density)
+        if j < len(sts):
+            names.clear()
+            self.step_stats = CompressionStats()
+            self._add_segment(sts[j:], counts[j:], words[j:], share, density)
+
+    def _add_segment(self, sts, counts, words, share, density):
+        if not sts:
+            return
+        names = self._step_names
+        if not names:
+            self.step_stats.steps = 1
+            self.total_stats.steps += 1
+        names.update(st.name for st in sts)
+        n = sum(st.numel for st in sts)
+        selected, wire_bytes = sum(counts), 4 * sum(words) + PLACEHOLDER_BYTES * len(sts)
+        for s in (self.step_stats, self.total_stats):
+            s.tensors += len(sts)
+            s.sparse_tensors += len(sts)
+            s.elements += n
+            s.selected += selected
+            s.wire_bytes += wire_bytes
+            s.dense_bytes += 4 * n
+            s.compress_seconds += share * n
+            s.density = density
 
     def _check_args(self, name, grad, param):
         """The argument checks of :meth:`compress` that need no state: dtype, and a parameter

@@ -20,18 +20,21 @@ the candidates. Encoding (delta16 or int32 indices, float32 values), the gather 
 values and the clearing of the sent positions (momentum factor masking, §3.2) are a second call.
 
 :meth:`DGCCore.compress_many` (a bucket of tensors; what the PyTorch adapter calls) uses the batch
-entry points instead: :func:`finite_many` checks every gradient of the bucket in one call, and
-:class:`Batch` runs one ``step_many`` call that updates, selects and encodes them all, spreading
-the work over a persistent pool of threads (chunks of 65,536 elements; a tensor of one chunk or
-less is finished by one task while it is in cache). Same arithmetic, same results.
+entry points instead: :func:`finite_many` checks the bucket's gradients of more than
+:data:`SMALL_NUMEL` elements in one call, and :class:`Batch` draws the bucket's sample uniforms in
+one generator call and runs one ``step_many`` call that checks the smaller gradients and updates,
+selects and encodes them all, spreading the work over a persistent pool of threads (a tensor of
+at most SMALL_NUMEL = 262,144 elements is one task, done while it is in cache; larger ones are cut
+in chunks of 65,536 elements). Same arithmetic, same results.
 """
 import math
 import os
 from array import array
+from itertools import accumulate
 
 from dgc_horovod.core import wire
 from dgc_horovod.core.accumulate import add_weight_decay, clip_by_local_norm
-from dgc_horovod.core.sparsify import MIN_SAMPLES, SAMPLE_OVERSHOOT, select_topk
+from dgc_horovod.core.sparsify import SAMPLE_OVERSHOOT, select_topk
 
 try:
     from dgc_horovod.core import _kernels
@@ -101,7 +104,7 @@ class Plan:
     """
 
     __slots__ = ("fma", "mode", "density", "k", "s", "ks", "sampled", "cap", "cidx", "cmag",
-                 "u", "v", "up", "vp", "cidx_p", "cmag_p", "max_tokens", "pos", "pos_p",
+                 "u", "v", "up", "vp", "cidx_p", "cmag_p", "max_tokens", "uni", "uni_p",
                  "finish_here", "masking", "row", "k_fin", "cap_words")
 
     def __init__(self, B, st, config, fma, density):
@@ -113,26 +116,26 @@ class Plan:
         n = st.numel
         self.max_tokens = n // wire._ESCAPE + 1     # escape tokens of a delta16 payload, at most
         self.cidx = self.cmag = None
-        self.pos = None             # int64 buffer the sample positions are drawn into
+        self.uni = None             # float64 buffer the sample draws go to (one tensor per call)
         # the batch kernel may finish the tensor itself (delta16 indices, float32 values)
         self.finish_here = config.wire_index == "delta16" and config.wire_values == "float32"
         self.masking = config.momentum_masking and st.u is not None
         self.set_density(B, n, config, density)
 
     def set_density(self, B, n, config, density):
-        from dgc_horovod.core.sparsify import k_for
+        from dgc_horovod.core.sparsify import k_for, sample_count
         self.density = density
         k = self.k = k_for(n, density)
-        self.sampled = not (config.exact_topk or k * 2 >= n)
+        s = self.s = sample_count(n, k, config.sample_ratio, config.exact_topk)
+        self.sampled = s > 0
         if not self.sampled:
             self.s = self.ks = self.cap = self.k_fin = self.cap_words = 0
             self.row = array("q", (0, self.up, self.vp, n, self.mode, self.fma) + (0,) * 13
                              + (1, 0, 0, 0, 0))
             return
-        s = self.s = min(n, max(MIN_SAMPLES, math.ceil(config.sample_ratio * n)))
-        if self.pos is None or B.numel(self.pos) != s:
-            self.pos = B.empty(s, "int64", like=self.v)
-            self.pos_p = B.kernel_ptr(self.pos)
+        if self.uni is None or B.numel(self.uni) != s:
+            self.uni = B.empty(s, "float64", like=self.v)
+            self.uni_p = B.kernel_ptr(self.uni)
         self.ks = min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
         # about ks·n/s candidates are expected; more than 2x that is rare and only costs a rescan
         cap = min(n, 2 * math.ceil(self.ks * n / s) + 2 * k + 64)
@@ -144,9 +147,10 @@ class Plan:
         # the static part of this tensor's row of the batch kernel (Batch.add fills in the rest)
         kf = self.k_fin = k if self.finish_here else 0
         self.cap_words = (wire.HEADER_WORDS + kf + (kf + self.max_tokens + 1) // 2) if kf else 0
-        self.row = array("q", (0, self.up, self.vp, n, self.mode, self.fma, self.pos_p, s,
-                               self.ks, self.cidx_p, self.cmag_p, self.cap, kf, 0, 0, 0,
-                               int(self.masking and kf > 0), 0, self.cap_words, 1, 0, 0, 0, 0))
+        mask_u = int(self.masking and kf > 0)
+        self.row = array("q", (0, self.up, self.vp, n, self.mode, self.fma, 0, s, self.ks,
+                               self.cidx_p, self.cmag_p, self.cap, kf, 0, 0, mask_u, mask_u, 0,
+                               self.cap_words, 1, 0, 0, 0, 0))
 
 
 def all_finite(n, gp, threads=1):
@@ -183,11 +187,11 @@ def accumulate_select(core, st, plan, g, gp, world_size, param, threads=1):
         _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum, scale,
                       0, 0, 0, 0, 0, 0, threads)
         return select_rest(core, st, plan, 0.0, 0, -1, None)
-    pos = B.sample_positions(n, plan.s, core._generator, plan.pos)
+    uni = B.sample_uniform(plan.s, core._generator, plan.uni)
     k = plan.k
     out = B.empty(k, "int64", like=st.v) if c.wire_index == "delta16" else None
     thr, cnt, nsel = _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum,
-                                   scale, B.kernel_ptr(pos), plan.s, plan.ks, plan.cidx_p,
+                                   scale, B.kernel_ptr(uni), plan.s, plan.ks, plan.cidx_p,
                                    plan.cmag_p, plan.cap, threads, k,
                                    0 if out is None else B.kernel_ptr(out))
     return select_rest(core, st, plan, thr, cnt, nsel, out)
@@ -258,8 +262,13 @@ def finite_many(tensors, threads=1):
     return [bool(desc[3 * i + 2]) for i in range(len(tensors))]
 
 
+#: Tensors of at most this many elements are checked for NaN/Inf by the batch kernel itself
+#: (the task that updates them, just before); compress_many checks larger ones beforehand.
+SMALL_NUMEL = _kernels.SMALL_NUMEL if _kernels is not None else 0
+NONFINITE = _kernels.NONFINITE if _kernels is not None else -2
+
 # the row layout of _kernels.step_many (the F_* and D_* enums of _kernels.c)
-_NF, _F_POS, _F_K, _F_OUT, _F_VALS, _F_USENT, _F_MASKU, _F_PAY = 24, 6, 12, 13, 14, 15, 16, 17
+_NF, _F_NPOS, _F_K, _F_CAPW = 24, 7, 12, 18
 _F_COUNT, _F_NSEL, _F_WORDS = 21, 22, 23
 _ND, _D_THR = 3, 2
 
@@ -271,83 +280,100 @@ class Batch:
     the kernel updates every tensor's u and v, estimates each threshold, selects and, for the
     rows it can finish (delta16 indices, float32 values, a unique top-k set), gathers, clears and
     encodes — the same arithmetic as :func:`accumulate_select` + :func:`finish` per tensor, so the
-    same results. Work is spread over up to ``threads`` threads by chunks of 65,536 elements.
-    After :meth:`run`, ``finished`` maps a row to (payload, start, count, words): its payload and
-    its length in int32 words, and where its selected positions, values and velocities lie in the
-    batch buffers ``out``, ``vals`` and ``usent`` (see :meth:`views`).
+    same results. Work is spread over up to ``threads`` threads: a tensor of at most
+    :data:`SMALL_NUMEL` elements is one task (checked for NaN/Inf, updated and finished while in
+    cache), larger ones are cut in chunks of 65,536 elements.
+
+    The rows' sample draws (s float64 uniforms each, :func:`sparsify.sample_positions`) are made
+    by one generator call for all rows added since the last :meth:`draw` — the same values as one
+    call per row, in row order — so the caller calls :meth:`draw` before anything else draws from
+    the generator. The kernel lays the rows' regions of the batch buffers (draws, selected
+    positions, payload words) out one after the other.
+
+    After :meth:`run`: ``all_finished`` (bool) tells whether the kernel finished every row; if so,
+    ``payloads``, ``starts``, ``counts`` and ``words`` list per row its payload, where its
+    selected positions, values and velocities start in the batch buffers ``out``, ``vals`` and
+    ``usent`` (see :meth:`views`), how many there are, and the payload's length in int32 words.
+    :meth:`finished` gives the same per finished row in any case.
     """
 
     def __init__(self, core, threads):
         self.core, self.threads = core, threads
         self.masking = core.config.momentum_masking and core.config.momentum > 0
         self.momentum = core.config.momentum
-        self._draw = core.B.sample_positions
-        self.rows = []          # (st, plan, g, pos) per row: kept alive until the kernel ran
+        self.rows = []          # (st, plan, g) per row: kept alive until the kernel ran
+        self.gps = array("q")   # the gradients' addresses
         self.desc, self.fdesc = array("q"), array("d")
-        self.k_total = self.w_total = 0
-        self.finished = {}
+        self.drawn = 0          # rows whose sample draws are made
+        self.uniforms = []      # the draws, one tensor per draw() call
+        self.all_finished = False
 
     def add(self, st, plan, g, gp, scale):
         """A finite gradient (flat float32 data at address gp, kept alive by g) of st, clipping
-        scale already applied for weight decay (see accumulate_select). Draws the row's sample
-        positions now."""
-        d = self.desc
-        base = len(d)
-        d.extend(plan.row)
-        d[base] = gp
-        pos = None
-        if plan.sampled:
-            core = self.core
-            pos = self._draw(st.numel, plan.s, core._generator, plan.pos)
-            if pos is not plan.pos:          # a backend that returned a new tensor
-                d[base + _F_POS] = core.B.kernel_ptr(pos)
-            if plan.k_fin:                   # offsets until run() has the buffers
-                d[base + _F_OUT], d[base + _F_PAY] = self.k_total, self.w_total
-                self.k_total += plan.k_fin
-                self.w_total += plan.cap_words
+        scale already applied for weight decay (see accumulate_select)."""
+        self.desc.extend(plan.row)
+        self.gps.append(gp)
         self.fdesc.extend((self.momentum, scale, 0.0))
-        self.rows.append((st, plan, g, pos))
+        self.rows.append((st, plan, g))
+
+    def draw(self):
+        """Draw the sample uniforms of the rows added since the last call (one generator call)."""
+        s = sum(self.desc[self.drawn * _NF + _F_NPOS::_NF])
+        self.drawn = len(self.rows)
+        if s:
+            core = self.core
+            self.uniforms.append(core.B.sample_uniform(s, core._generator))
 
     def run(self, like):
-        """Run the kernel (state changes here). Raises ValueError/MemoryError on a kernel error
-        (bad arguments: a bug, not a user error)."""
+        """Draw what is left to draw and run the kernel (state changes here). Raises
+        ValueError/MemoryError on a kernel error (bad arguments: a bug, not a user error)."""
         B = self.core.B
-        nrows = len(self.rows)
+        self.draw()
+        uni = self.uniforms
+        uni = (uni[0] if len(uni) == 1 else B.cat(uni)) if uni else B.empty(1, "float64", like)
         d = self.desc
-        kt, wt = max(self.k_total, 1), max(self.w_total, 1)
-        self.out = B.empty(kt, "int64", like=like)
-        self.vals = B.empty(kt, "float32", like=like)
-        self.usent = B.empty(kt, "float32", like=like) if self.masking else None
-        self.payload = B.empty(wt, "int32", like=like)
-        po, pv, pp = B.kernel_ptr(self.out), B.kernel_ptr(self.vals), B.kernel_ptr(self.payload)
-        pu = B.kernel_ptr(self.usent) if self.masking else 0
-        if self.k_total:
-            for base in range(0, nrows * _NF, _NF):
-                if d[base + _F_K]:           # a row the kernel may finish: offsets -> addresses
-                    ko = d[base + _F_OUT]
-                    d[base + _F_OUT], d[base + _F_VALS] = po + 8 * ko, pv + 4 * ko
-                    d[base + _F_USENT] = pu + 4 * ko if d[base + _F_MASKU] else 0
-                    d[base + _F_PAY] = pp + 4 * d[base + _F_PAY]
-        _kernels.step_many(d.buffer_info()[0], self.fdesc.buffer_info()[0], nrows, self.threads,
-                           po, pv, pu, pp)
-        if not self.k_total:
-            return
+        d[0::_NF] = self.gps
+        ks = d[_F_K::_NF]
+        kt, wt, nu = sum(ks), sum(d[_F_CAPW::_NF]), sum(d[_F_NPOS::_NF])
+        self.out = B.empty(max(kt, 1), "int64", like=like)
+        self.vals = B.empty(max(kt, 1), "float32", like=like)
+        self.usent = B.empty(max(kt, 1), "float32", like=like) if self.masking else None
+        self.payload = B.empty(max(wt, 1), "int32", like=like)
+        ptr = B.kernel_ptr
+        _kernels.step_many(d.buffer_info()[0], self.fdesc.buffer_info()[0], len(self.rows),
+                           self.threads, ptr(self.out), ptr(self.vals),
+                           ptr(self.usent) if self.masking else 0, ptr(self.payload), kt, wt,
+                           ptr(uni), nu)
+        self.uniforms = None
+        nsel = d[_F_NSEL::_NF]
+        if kt and min(ks) > 0 and min(nsel) >= 0:   # the kernel finished every row
+            self.all_finished = True
+            self.counts, self.words = nsel.tolist(), d[_F_WORDS::_NF].tolist()
+            self.starts = list(accumulate(self.counts, initial=0))
+            self.payloads = B.split(self.payload, self.words + [max(wt, 1) - sum(self.words)])
+
+    def finished(self):
+        """{row: (payload, start, count, words)} for the rows the kernel finished."""
+        if self.all_finished:
+            return {r: (p, a, c, w) for r, (p, a, c, w) in enumerate(
+                zip(self.payloads, self.starts, self.counts, self.words))}
+        d = self.desc
         done, words, start = [], [], 0
-        for base in range(0, nrows * _NF, _NF):
-            if d[base + _F_K] and d[base + _F_NSEL] >= 0:
-                count = d[base + _F_NSEL]
-                done.append((base // _NF, start, count))
-                words.append(d[base + _F_WORDS])
-                start += count
-        if done:
-            nwords = sum(words)
-            pays = B.split(self.payload, words + [wt - nwords])
-            self.finished = {r: (pays[j], a, cnt, words[j]) for j, (r, a, cnt) in enumerate(done)}
+        for r, (k, nsel, w) in enumerate(zip(d[_F_K::_NF], d[_F_NSEL::_NF], d[_F_WORDS::_NF])):
+            if k and nsel >= 0:
+                done.append((r, start, nsel))
+                words.append(w)
+                start += nsel
+        if not done:
+            return {}
+        B = self.core.B
+        pays = B.split(self.payload, words + [B.numel(self.payload) - sum(words)])
+        return {r: (pays[j], a, cnt, words[j]) for j, (r, a, cnt) in enumerate(done)}
 
     def release(self):
-        """Drop the rows (gradients, sample positions) and descriptors once the results are
-        built; :meth:`views` and the payloads stay valid."""
-        self.rows = self.desc = self.fdesc = None
+        """Drop the gradients; :meth:`views`, :meth:`result` and the payloads stay valid."""
+        self.rows = [row[:2] for row in self.rows]
+        self.gps = None
 
     def views(self, start, count, masked):
         """(indices, values, u_sent) of a finished row: views of the batch buffers."""
@@ -358,6 +384,9 @@ class Batch:
 
     def result(self, r):
         """(st, plan, thr, cnt): thr, the row's threshold, and cnt, its candidate count, for
-        :func:`select_rest` when the kernel did not finish it."""
+        :func:`select_rest` when the kernel did not finish it; cnt is None when the row's
+        gradient has NaN/Inf (a small row, checked by the kernel: its state is untouched)."""
         st, plan = self.rows[r][:2]
+        if self.desc[r * _NF + _F_NSEL] == NONFINITE:
+            return st, plan, 0.0, None
         return st, plan, self.fdesc[r * _ND + _D_THR], self.desc[r * _NF + _F_COUNT]

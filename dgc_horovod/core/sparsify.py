@@ -1,7 +1,8 @@
 """Top-k selection by magnitude, exact or with a sampled threshold (Lin et al. 2018, §5)."""
 import math
 
-__all__ = ["k_for", "select_topk", "MIN_SAMPLES", "SAMPLE_OVERSHOOT"]
+__all__ = ["k_for", "sample_count", "select_topk", "sample_positions", "MIN_SAMPLES",
+           "SAMPLE_OVERSHOOT"]
 
 #: Fewest entries sampled for the threshold estimate (below that the estimate is noise).
 MIN_SAMPLES = 64
@@ -15,12 +16,37 @@ def k_for(numel, density):
     return min(numel, max(1, math.ceil(density * numel - 1e-9)))
 
 
+def sample_count(n, k, sample_ratio, exact=False):
+    """s, the number of entries the threshold estimate of :func:`select_topk` samples for a tensor
+    of n elements and target count k: max(MIN_SAMPLES, ceil(sample_ratio · n)), at most n; 0 when
+    it does not sample (exact mode, or k ≥ n/2: an exact top-k then)."""
+    if exact or k * 2 >= n:
+        return 0
+    return min(n, max(MIN_SAMPLES, math.ceil(sample_ratio * n)))
+
+
+def sample_positions(u, n):
+    """The positions the threshold estimate samples: ``min(floor(u · n), n − 1)`` for float64
+    uniform draws u in [0, 1) (NumPy array; each backend's ``sample`` and the C kernels compute the
+    same, with u · n rounded once in float64), i.e. uniform over [0, n) with replacement.
+
+    All s draws of a tensor come from one ``generator`` call of s float64 uniforms, so the
+    kernels can draw a whole bucket's samples in one call and get the same positions as one call
+    per tensor. Returns an int64 array of u's shape. (The reference for tests; the backends
+    inline it.)
+    """
+    import numpy as np
+    pos = (np.asarray(u, dtype=np.float64) * n).astype(np.int64)
+    return np.minimum(pos, n - 1)
+
+
 def select_topk(B, v, k, sample_ratio=0.01, exact=False, generator=None):
     """Choose the entries of v to send: its k largest magnitudes, skipping zeros.
 
     Sampled mode (default; §5 of the paper estimates the threshold on a 0.1–1% sample):
 
-    1. draw s = max(MIN_SAMPLES, ceil(sample_ratio · n)) entries uniformly (with replacement) and
+    1. draw s = max(MIN_SAMPLES, ceil(sample_ratio · n)) entries uniformly (with replacement, at
+       :func:`sample_positions` of s float64 uniforms from ``generator``) and
        take as threshold their ceil(1.25 · k · s / n)-th largest magnitude;
     2. candidates = entries with |v| ≥ threshold (one pass over v), count c;
     3. c ≥ k: the candidates contain every true top-k entry, so an exact top-k among them gives
@@ -41,10 +67,10 @@ def select_topk(B, v, k, sample_ratio=0.01, exact=False, generator=None):
     """
     n = B.numel(v)
     mag = B.abs(v)
-    if exact or k * 2 >= n:
+    s = sample_count(n, k, sample_ratio, exact)
+    if not s:
         idx = B.topk_indices(mag, k)
     else:
-        s = min(n, max(MIN_SAMPLES, math.ceil(sample_ratio * n)))
         ks = min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
         threshold = B.kth_largest(B.sample(mag, s, generator), ks)
         idx = B.indices_where_ge(mag, threshold)

@@ -49,7 +49,10 @@ class TFBackend(Backend):
     def kth_largest(self, x, k): return tf.math.top_k(x, k, sorted=True).values[k - 1]
 
     def sample(self, x, s, generator):
-        return tf.gather(x, generator.uniform([s], 0, int(tf.size(x)), dtype=tf.int64))
+        # sparsify.sample_positions: floor(u * n), at most n - 1, for s float64 uniforms u
+        n = int(tf.size(x))
+        u = generator.uniform([s], dtype=tf.float64)
+        return tf.gather(x, tf.minimum(tf.cast(u * float(n), tf.int64), n - 1))
 
     def indices_where_ge(self, x, t): return tf.reshape(tf.where(x >= t), [-1])
     def drop_zeros(self, idx, mag): return tf.boolean_mask(idx, mag > 0)

@@ -50,7 +50,10 @@ class TorchBackend(Backend):
     def kth_largest(self, x, k): return torch.kthvalue(x, x.numel() - k + 1).values
 
     def sample(self, x, s, generator):
-        return x[torch.randint(x.numel(), (s,), generator=generator).to(x.device)]
+        # sparsify.sample_positions: floor(u * n), at most n - 1, for s float64 uniforms u
+        n = x.numel()
+        u = torch.rand(s, dtype=torch.float64, generator=generator)
+        return x[u.mul_(n).long().clamp_(max=n - 1).to(x.device)]
 
     def indices_where_ge(self, x, t):
         return torch.nonzero(torch.ge(x, t, out=self._scratch(x, torch.bool, 1))).view(-1)
@@ -126,7 +129,8 @@ class TorchBackend(Backend):
     def set_generator_state(self, generator, state): generator.set_state(state.cpu())
 
     # --- fused CPU kernels (dgc_horovod.core.kernels)
-    _DTYPES = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32}
+    _DTYPES = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32,
+               "float64": torch.float64}
 
     def kernel_ptr(self, x):
         return x.data_ptr() if x.is_cpu and x.is_contiguous() else None
@@ -147,11 +151,11 @@ class TorchBackend(Backend):
                                           torch.randn(4099, generator=gen))
         return self._fma
 
-    def sample_positions(self, n, s, generator, out=None):
-        # the positions sample() draws (random_ into a reused buffer draws the same values)
-        if out is not None:                  # (the caller's buffer has s entries)
-            return out.random_(0, n, generator=generator)
-        return torch.randint(n, (s,), generator=generator)
+    def sample_uniform(self, s, generator, out=None):
+        # the uniforms sample() draws (uniform_ into a buffer draws the same values as rand)
+        if out is not None:                  # (a float64 buffer of s entries)
+            return out.uniform_(generator=generator)
+        return torch.rand(s, dtype=torch.float64, generator=generator)
 
     def empty(self, n, dtype, like): return torch.empty(n, dtype=self._DTYPES[dtype],
                                                         device=like.device)
