@@ -197,8 +197,10 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None):
 def frame_bucket(B, entries, like):
     """One rank's bucket segment from [(member index, payload)] (flat int32 tensors)."""
     parts = [B.int32_tensor([BUCKET_MAGIC, len(entries)], like=like)]
-    for member, payload in entries:
-        parts += [B.int32_tensor([member], like=like), payload]
+    if entries:         # the member words: one tensor, cut in 1-word views (one call each)
+        words = B.split(B.int32_tensor([m for m, _ in entries], like=like), [1] * len(entries))
+        for word, (_, payload) in zip(words, entries):
+            parts += [word, payload]
     return B.cat(parts)
 
 
