@@ -15,9 +15,9 @@
    tie-heavy gradients.
 3. Scale: cost per element of compress (fused path) for tensors of 1e4 … 1e8 elements, in
    buckets as the adapter makes them (ceil(2**22 / n) tensors of n elements per compress_many
-   call, one tensor from 2**22 up) and with one compress() call per tensor; for buckets of
-   several tensors, how much of a call is spent in the C kernels and how much per tensor outside
-   them.
+   call, one tensor from 2**22 up) and with one compress() call per tensor, timed in interleaved
+   rounds as in 1; for buckets of several tensors, how much of a call is spent in the C kernels
+   and how much per tensor outside them.
 
     python benchmarks/compress_cost.py [--repeats 9] [--max-elements 1e8]
 """
@@ -39,30 +39,31 @@ from dgc_horovod.core.sparsify import k_for  # noqa: E402
 from dgc_horovod.torch.backend import TorchBackend  # noqa: E402
 
 
-def timed(fn, repeats):
-    fn()                                             # warm-up (allocations, first-touch)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def interleaved(fns, repeats):
-    """Median time of each function and median of each one's ratio to the first, measured in
-    rounds (each round runs every function once, in order), so that a slow spell of a shared
-    machine affects all of them alike."""
+def timed_rounds(fns, repeats, twice=False):
+    """[[seconds of each function] per round]: every function runs once per round, in order,
+    after one warm-up call each. twice: in a round each function runs twice in a row and the
+    second call is timed (a call right after other work pays for a cold machine, which matters
+    for calls of well under a millisecond; in a training step the calls follow one another)."""
     for fn in fns:
         fn()                                         # warm-up (allocations, first-touch)
     rounds = []
     for _ in range(repeats):
         times = []
         for fn in fns:
+            if twice:
+                fn()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
         rounds.append(times)
+    return rounds
+
+
+def interleaved(fns, repeats):
+    """Median time of each function and median of each one's ratio to the first, measured in
+    rounds (each round runs every function once, in order), so that a slow spell of a shared
+    machine affects all of them alike."""
+    rounds = timed_rounds(fns, repeats)
     medians = [statistics.median(r[i] for r in rounds) for i in range(len(fns))]
     ratios = [statistics.median(r[i] / r[0] for r in rounds) for i in range(len(fns))]
     return medians, ratios
@@ -209,30 +210,44 @@ def scaling(repeats, max_elements, density):
     print(f"Cost per element of compress (density {density}, torch threads "
           f"{torch.get_num_threads()}): in buckets of 2**22 elements (compress_many, what the "
           "adapter runs) and one compress() per tensor")
-    bucketed, single = [], []
+    print(f"  ({repeats} interleaved rounds; in a round each call runs twice in a row and the "
+          "second is timed; per size the median; max/min: the median over the rounds of each "
+          "round's max/min, with their range)")
+    cases = []
     for e in range(4, int(round(math.log10(max_elements))) + 1):
         n = 10 ** e
         count = -(-2 ** 22 // n)                    # tensors per bucket
         entries = [(f"w{i}", torch.randn(n), None) for i in range(count)]
         core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
-        reps = max(1, repeats if e < 8 else 2)
-        t_bucket = timed(lambda: core.compress_many(entries, world_size=8), reps)
         one = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
-        t_one = timed(lambda: one.compress("w", entries[0][1], world_size=8), reps)
-        bucketed.append(t_bucket / (n * count))
-        single.append(t_one / n)
-        print(f"  n=1e{e}: bucket of {count:>3} tensors {1e3 * t_bucket:9.3f} ms "
-              f"{1e9 * bucketed[-1]:7.3f} ns/element;  one tensor {1e3 * t_one:9.3f} ms "
-              f"{1e9 * single[-1]:7.3f} ns/element")
+        cases.append((e, n, count, entries, core, one))
+    fns = []
+    for e, n, count, entries, core, one in cases:
+        fns.append(lambda entries=entries, core=core: core.compress_many(entries, world_size=8))
+        fns.append(lambda entries=entries, one=one: one.compress("w", entries[0][1],
+                                                                  world_size=8))
+    rounds = timed_rounds(fns, repeats, twice=True)
+    per_el = [[r[2 * j + kind] / (n * (count if kind == 0 else 1))
+               for j, (_, n, count, *_) in enumerate(cases)] for r in rounds for kind in (0, 1)]
+    bucket_rounds, single_rounds = per_el[0::2], per_el[1::2]
+    bucketed = [statistics.median(r[j] for r in bucket_rounds) for j in range(len(cases))]
+    single = [statistics.median(r[j] for r in single_rounds) for j in range(len(cases))]
+    for j, (e, n, count, entries, core, one) in enumerate(cases):
+        print(f"  n=1e{e}: bucket of {count:>3} tensors {1e3 * n * count * bucketed[j]:9.3f} ms "
+              f"{1e9 * bucketed[j]:7.3f} ns/element;  one tensor {1e3 * n * single[j]:9.3f} ms "
+              f"{1e9 * single[j]:7.3f} ns/element")
         if count > 1 and core.use_kernels:
-            total, inside = kernel_split(core, entries, reps)
+            total, inside = kernel_split(core, entries, repeats)
             print(f"         of a bucket call: C kernels {1e3 * inside:.3f} ms "
                   f"({1e9 * inside / (n * count):.3f} ns/element), the rest (Python, PyTorch) "
                   f"{1e6 * (total - inside) / count:.1f} us per tensor")
-        del entries, core, one
-    print(f"  max/min per-element cost: {max(bucketed) / min(bucketed):.2f}x in buckets, "
-          f"{max(single) / min(single):.2f}x one tensor per call")
-    return max(bucketed) / min(bucketed)
+    spread = [max(r) / min(r) for r in bucket_rounds]
+    spread_one = [max(r) / min(r) for r in single_rounds]
+    print(f"  max/min per-element cost: {statistics.median(spread):.2f}x in buckets (rounds "
+          f"{min(spread):.2f}-{max(spread):.2f}x; of the medians above "
+          f"{max(bucketed) / min(bucketed):.2f}x), {statistics.median(spread_one):.2f}x one "
+          f"tensor per call")
+    return statistics.median(spread)
 
 
 def main():
