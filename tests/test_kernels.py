@@ -446,3 +446,21 @@ def test_weight_decay_without_param_is_refused_before_any_change(many):
             core.compress("b", torch.randn(5000), 2)
     assert torch.equal(core.states["a"].v, v) and "b" not in core.states
     assert torch.equal(core.B.generator_state(core._generator), gen)
+
+
+@needs_kernels
+def test_finish_checks_everything_before_it_clears_the_sent_positions():
+    # a payload buffer too small or repeated positions raise, and v / u keep their values (the
+    # batch kernel relies on it to leave a row it cannot finish to the caller)
+    n = 1000
+    v = np.arange(1, n + 1, dtype=F32)
+    u = -v
+    vals, usent = np.empty(3, F32), np.empty(3, F32)
+    for idx, cap in ((np.array([900, 10, 500], np.int64), 6),          # needs 5 + 2 + 3 words
+                     (np.array([10, 500, 10], np.int64), 64)):         # 10 twice
+        payload = np.empty(64, np.int32)
+        with pytest.raises(ValueError, match="payload buffer too small|not unique"):
+            kernels._kernels.finish(idx.ctypes.data, 3, v.ctypes.data, u.ctypes.data, 1, 1,
+                                    vals.ctypes.data, usent.ctypes.data, payload.ctypes.data, cap,
+                                    n, 0)
+        assert np.array_equal(v, np.arange(1, n + 1, dtype=F32)) and np.array_equal(u, -v)

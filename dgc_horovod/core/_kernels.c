@@ -508,17 +508,7 @@ static int finish_impl(i64 *idx, i64 c, float *v, float *u, int mask_u, int sort
     for (i64 j = 0; j < c; j++)
         if (idx[j] < 0 || idx[j] >= numel) return -2;
     if (sort && sort_positions(idx, c)) return -1;
-    for (i64 j = 0; j < c; j++) {
-        i64 p = idx[j];
-        if (j + 16 < c) {                            /* scattered positions: prefetch ahead */
-            __builtin_prefetch(v + idx[j + 16], 1);
-            if (usent || mask_u) __builtin_prefetch(u + idx[j + 16], 1);
-        }
-        vals[j] = v[p];
-        if (usent) usent[j] = u[p];
-        v[p] = 0.0f;
-        if (mask_u) u[p] = 0.0f;
-    }
+    /* every check before the first write to v or u: a failure leaves the state as it was */
     i64 tokens = c;
     if (sort) {
         tokens = 0;
@@ -532,6 +522,17 @@ static int finish_impl(i64 *idx, i64 c, float *v, float *u, int mask_u, int sort
     i64 iw = sort ? (tokens + 1) / 2 : c;
     i64 words = 5 + iw + c;
     if (words > cap_words) return -4;
+    for (i64 j = 0; j < c; j++) {
+        i64 p = idx[j];
+        if (j + 16 < c) {                            /* scattered positions: prefetch ahead */
+            __builtin_prefetch(v + idx[j + 16], 1);
+            if (usent || mask_u) __builtin_prefetch(u + idx[j + 16], 1);
+        }
+        vals[j] = v[p];
+        if (usent) usent[j] = u[p];
+        v[p] = 0.0f;
+        if (mask_u) u[p] = 0.0f;
+    }
     payload[0] = (int32_t)MAGIC_V2;
     payload[1] = (int32_t)numel;
     payload[2] = (int32_t)c;
@@ -753,7 +754,11 @@ static void select_one(batch_t *b, i64 t) {
                          (int)row[F_SORT], b->vals + row[F_OUT],
                          row[F_USENT] ? b->usent + row[F_OUT] : NULL, b->pay + row[F_PAY],
                          row[F_CAPW], n, (int)row[F_FLAGS], &words);
-    if (rc) { b->rc = rc; row[F_NSEL] = -1; return; }
+    if (rc) {                 /* the row's state is as it was (finish_impl checks first) */
+        row[F_NSEL] = -1;     /* out of memory: the caller finishes it; else a bug: raise */
+        if (rc != -1) b->rc = rc;
+        return;
+    }
     row[F_WORDS] = words;
 }
 
@@ -823,6 +828,11 @@ static int step_many_impl(i64 *d, double *f, i64 nt, int threads, i64 *o, float 
     b.smp = (float *)malloc(sizeof(float) * (size_t)(nsmp + 1));
     b.r = (range_t *)malloc(sizeof(range_t) * (size_t)(nranges + 1));
     if (!b.bmax || !b.smp || !b.r) { rc = -1; goto out; }
+    /* the large tensors, largest first, for phase 3 (no allocation after the state changes) */
+    size_row *sr = (size_row *)malloc(sizeof(size_row) * (size_t)(nbig + 1));
+    if (!sr) { rc = -1; goto out; }
+    for (i64 q = 0; q < nbig; q++) { sr[q].n = d[NF * b.order[q] + F_N]; sr[q].t = b.order[q]; }
+    qsort(sr, (size_t)nbig, sizeof(size_row), by_size_desc);
     /* 1. the updates */
     b.nr = 0;
     for (i64 t = 0; t < nt; t++) {
@@ -836,10 +846,6 @@ static int step_many_impl(i64 *d, double *f, i64 nt, int threads, i64 *o, float 
         b.nr += make_ranges(b.r + b.nr, b.order[q], d[NF * b.order[q] + F_NPOS], CHUNK_SAMPLES);
     parallel(gather_task, &b, b.nr, threads);
     /* 3. per large tensor, largest first */
-    size_row *sr = (size_row *)malloc(sizeof(size_row) * (size_t)(nbig + 1));
-    if (!sr) { rc = -1; goto out; }
-    for (i64 q = 0; q < nbig; q++) { sr[q].n = d[NF * b.order[q] + F_N]; sr[q].t = b.order[q]; }
-    qsort(sr, (size_t)nbig, sizeof(size_row), by_size_desc);
     for (i64 q = 0; q < nbig; q++) b.order[q] = sr[q].t;
     free(sr);
     parallel(select_task, &b, nbig, threads);
