@@ -87,7 +87,9 @@ static float kth_largest(float *a, i64 n, i64 k) {
     return a[want];
 }
 
-/* Grow-only per-thread scratch (the kernels release the GIL, so calls may run concurrently). */
+/* Grow-only per-thread scratch (the kernels release the GIL, so calls may run concurrently):
+ * block maxima and sampled magnitudes of the per-tensor path (n/64 + s values for a tensor of
+ * n elements with s samples) and the candidates' magnitudes of a top-k among candidates. */
 static void *scratch(int slot, size_t bytes) {
     static __thread void *buf[2];
     static __thread size_t cap[2];
@@ -680,10 +682,13 @@ static void gather_task(void *c, i64 k) {
  * top-k). */
 static i64 exact_topk_unique(const float *v, i64 n, i64 k, i64 *out) {
     if (k < 1 || k > n) return -1;
-    float *tmp = (float *)scratch(1, (size_t)n * sizeof(float));
+    /* a buffer of n floats, freed at once: the per-thread scratch would keep the largest one
+     * this rare fallback ever needed for the life of the process */
+    float *tmp = (float *)malloc((size_t)n * sizeof(float));
     if (!tmp) return -1;
     for (i64 i = 0; i < n; i++) tmp[i] = fabsf(v[i]);
     const float T = kth_largest(tmp, n, k);
+    free(tmp);
     if (!(T > 0.0f)) return -1;
     i64 above = 0, equal = 0;
     for (i64 i = 0; i < n; i++) { float a = fabsf(v[i]); above += a > T; equal += a == T; }
