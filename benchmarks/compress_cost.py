@@ -168,7 +168,7 @@ def recall(n=1_000_000, density=0.001, seeds=5):
 
 class _KernelClock:
     """Stands in for dgc_horovod.core.kernels._kernels and adds up the wall time spent inside
-    the batch kernels (finite_many, step_many), to split a compress_many call into C and the
+    the batch kernel (step_many), to split a compress_many call into C and the
     rest (Python and PyTorch calls)."""
 
     def __init__(self, module):
@@ -176,7 +176,7 @@ class _KernelClock:
 
     def __getattr__(self, name):
         fn = getattr(self.module, name)
-        if name not in ("finite_many", "step_many"):
+        if name != "step_many":
             return fn
 
         def timed_call(*args):

@@ -21,6 +21,8 @@ import torch
 from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, kernels, wire
 from dgc_horovod.core.compressor import _BatchContext
 from dgc_horovod.torch.backend import TorchBackend
+from batch_helpers import (convert, raw, restore_torch_threads,  # noqa: F401 (the fixture)
+                           same_gen, to_np)
 
 F32 = np.float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,34 +31,6 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels not 
 STATS = ("tensors", "sparse_tensors", "selected", "wire_bytes", "nonfinite_tensors", "elements",
          "dense_bytes", "steps", "density")
 
-
-@pytest.fixture(autouse=True)
-def _restore_torch_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
-# ----------------------------------------------------------------- helpers
-def to_np(x):
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy().copy()
-    return np.array(x, copy=True)
-
-
-def raw(x):
-    """Bytes-exact view (NaN payloads, -0.0 and all)."""
-    a = to_np(x)
-    return None if a is None else (a.dtype.str, a.shape, a.tobytes())
-
-
-def same_gen(core_a, core_b):
-    a, b = (c.B.generator_state(c._generator) for c in (core_a, core_b))
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    return a == b
 
 
 def compare(ref, other, core_ref, core_other, names, what, check_state=True):
@@ -80,31 +54,6 @@ def compare_stats(cores, what):
         for attr in STATS:
             got = [getattr(getattr(c, stats), attr) for c in cores]
             assert all(g == got[0] for g in got), (what, stats, attr, got)
-
-
-def convert(backend, g, kind):
-    """The gradient g (float32 ndarray of its shape) as the backend's tensor of `kind`."""
-    g = np.asarray(g)
-    if backend == "numpy":
-        if kind == "f64":
-            return g.astype(np.float64)
-        if kind == "T" and g.ndim == 2:
-            return np.ascontiguousarray(g.T).T                 # Fortran order, same values
-        if kind == "strided" and g.ndim == 1:
-            return np.repeat(g, 2)[::2]
-        return g.copy()
-    t = torch.from_numpy(g.copy())
-    if kind == "f16":
-        return t.half()
-    if kind == "bf16":
-        return t.bfloat16()
-    if kind == "f64":
-        return t.double()
-    if kind == "T" and t.dim() == 2:
-        return t.t().contiguous().t()                           # non-contiguous, same values
-    if kind == "strided" and t.dim() == 1:
-        return torch.from_numpy(np.repeat(g, 2))[::2]
-    return t
 
 
 def three_cores(backend, **cfg):

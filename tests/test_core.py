@@ -1082,3 +1082,26 @@ def test_wire_options_are_validated():
         DGCConfig(wire_index="int16")
     with pytest.raises(ValueError, match="wire_values"):
         DGCConfig(wire_values="bfloat16")
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_weight_decay_with_a_nonfinite_parameter_is_refused_like_a_nonfinite_gradient(
+        backend, use_kernels):
+    # with weight decay the accumulated gradient is g + λ·param: a NaN/Inf parameter must not
+    # reach the residual either (the rank sends the non-finite flag, the state stays)
+    B = BACKENDS[backend]
+    core = DGCCore(DGCConfig(warmup_epochs=0, weight_decay=1e-2), B)
+    core.use_kernels = use_kernels and core.use_kernels
+    rng = np.random.default_rng(5)
+    p = rng.standard_normal(5000).astype(F32)
+    core.compress("w", to_backend(B, rng.standard_normal(5000).astype(F32)), 2,
+                  param=to_backend(B, p))
+    u, v = (to_np(x).copy() for x in (core.states["w"].u, core.states["w"].v))
+    p[17] = np.inf
+    kind, payload, _ = core.compress("w", to_backend(B, rng.standard_normal(5000).astype(F32)),
+                                     2, param=to_backend(B, p))
+    assert kind == "sparse" and to_np(payload)[3] & wire.FLAG_NONFINITE   # header word 3: flags
+    assert np.array_equal(to_np(core.states["w"].u), u)
+    assert np.array_equal(to_np(core.states["w"].v), v)
+    assert core.step_stats.nonfinite_tensors == 1

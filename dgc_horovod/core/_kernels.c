@@ -41,6 +41,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define BLOCK 64                      /* elements per block of the fused pass */
@@ -235,8 +238,28 @@ static struct {
     int started, running;
     unsigned long gen, seen0[MAX_THREADS];
     task_fn fn; void *ctx; i64 ntasks, next;
+    unsigned csr;               /* the caller's SSE control word (denormal flushing, rounding) */
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-       PTHREAD_COND_INITIALIZER, 0, 0, 0, {0}, NULL, NULL, 0, 0};
+       PTHREAD_COND_INITIALIZER, 0, 0, 0, {0}, NULL, NULL, 0, 0, 0};
+
+/* The floating-point mode of the thread that starts a region, for its workers: results must not
+ * depend on which thread runs a task (torch.set_flush_denormal changes only its own thread). */
+#define CSR_FLAGS 0x3fu          /* MXCSR's sticky exception flags: status, not mode */
+ALWAYS_INLINE unsigned fp_mode(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    return _mm_getcsr() & ~CSR_FLAGS;
+#else
+    return 0;
+#endif
+}
+ALWAYS_INLINE void set_fp_mode(unsigned csr) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    const unsigned now = _mm_getcsr();
+    if ((now & ~CSR_FLAGS) != csr) _mm_setcsr((now & CSR_FLAGS) | csr);
+#else
+    (void)csr;
+#endif
+}
 
 ALWAYS_INLINE void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -271,6 +294,7 @@ static void *pool_worker(void *arg) {
         }
         seen = g;
         if (id >= (int)(g & WANTED_MASK)) continue;    /* this region's own count */
+        set_fp_mode(P.csr);
         drain();
         if (__atomic_sub_fetch(&P.running, 1, __ATOMIC_ACQ_REL) == 0) {
             pthread_mutex_lock(&P.mu);
@@ -304,7 +328,7 @@ static void parallel(task_fn fn, void *ctx, i64 ntasks, int threads) {
         P.started++;
     }
     const int W = (int)(T - 1 < P.started ? T - 1 : P.started);
-    P.fn = fn; P.ctx = ctx; P.ntasks = ntasks; P.next = 0;
+    P.fn = fn; P.ctx = ctx; P.ntasks = ntasks; P.next = 0; P.csr = fp_mode();
     __atomic_store_n(&P.running, W, __ATOMIC_RELAXED);
     /* a new generation word carrying W: publishes the fields above */
     __atomic_store_n(&P.gen, (((P.gen >> 8) + 1) << 8) | (unsigned long)W, __ATOMIC_RELEASE);
@@ -369,7 +393,6 @@ static i64 block_hits_generic(const float *p, i64 len, float t, i64 i0, i64 *cid
     return block_hits_body(p, len, t, i0, cidx, cmag, c, cap);
 }
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
 /* The same with AVX2: eight magnitudes compared at once; only lanes that reach t are visited
  * (in ascending order, so the output is the scalar loop's). */
 __attribute__((target("avx2"))) static i64 block_hits_avx2(const float *p, i64 len, float t,
@@ -581,10 +604,13 @@ static int finish_impl(i64 *idx, i64 c, float *v, float *u, int mask_u, int sort
  *   (vals), u at the sent positions (usent) and payloads of the tensors it finished are moved to
  *   the front of their batch buffers, in tensor order. Tensors with
  *   nsel < 0 are left to the caller (ties at the k-th magnitude, threshold 0, no sampling).
- *   A small tensor (at most SMALL_NUMEL elements) has its gradient checked for NaN/Inf by the
- *   task that updates it, just before: if it has any, its state is left as it is and its nsel
- *   is NONFINITE (the caller checks larger tensors beforehand, with finite_many).
- *   Phases: (1) the update of every tensor over the pool: a small tensor (at most SMALL_BLOCKS
+ *   Every row's gradient is checked for NaN/Inf before its state changes: a small tensor's (at
+ *   most SMALL_NUMEL elements) by the task that updates it, just before, a larger one's in a
+ *   first phase over the pool. A row with any keeps its state as it was, and its nsel is
+ *   NONFINITE. A row whose v holds a NaN and that finds fewer than k/2 candidates is left to the
+ *   caller (the backend's top-k ranks NaN first).
+ *   Phases: (0) the NaN/Inf check of the larger tensors; (1) the update of every tensor over
+ *   the pool: a small tensor (at most SMALL_BLOCKS
  *   blocks) is one task that checks, updates and finishes it while it is in cache, a larger one
  *   is cut in chunks of CHUNK_BLOCKS blocks (65,536 elements);
  *   (2) the gather of the sampled magnitudes of the larger tensors, in chunks; (3) per larger
@@ -606,7 +632,7 @@ typedef struct {
     i64 *d; double *f; i64 nt;
     i64 *o; float *vals, *usent; int32_t *pay; const double *uni;   /* the batch buffers */
     i64 *boff, *soff; uint32_t *bmax; float *smp;
-    range_t *r; i64 nr; i64 *order; char *small; int rc;
+    range_t *r; i64 nr; i64 *order; char *small, *bad; int rc;
 } batch_t;
 
 #define CHUNK_BLOCKS 1024          /* 64K elements per update task */
@@ -633,6 +659,22 @@ static void finite_task(void *c, i64 k) {
 
 static void select_one(batch_t *b, i64 t);
 
+/* A chunk of a large row's gradient checked for NaN/Inf (phase 0 of step_many). */
+static void large_finite_task(void *c, i64 k) {
+    batch_t *b = (batch_t *)c;
+    const range_t *r = &b->r[k];
+    job_t j; memset(&j, 0, sizeof j);
+    j.x = (const float *)(uintptr_t)b->d[NF * r->t + F_G]; j.i0 = r->lo; j.i1 = r->hi;
+    FINITE_FN(&j);
+    if (!j.ok) __atomic_store_n(&b->bad[r->t], 1, __ATOMIC_RELAXED);
+}
+
+/* The outputs of a row whose gradient has NaN/Inf (its state is not touched). */
+static void mark_nonfinite(batch_t *b, i64 t) {
+    i64 *row = b->d + NF * t;
+    row[F_COUNT] = 0; row[F_NSEL] = NONFINITE; row[F_WORDS] = 0; b->f[ND * t + D_THR] = 0.0;
+}
+
 static void update_task(void *c, i64 k) {
     batch_t *b = (batch_t *)c;
     const range_t *r = &b->r[k];
@@ -643,7 +685,7 @@ static void update_task(void *c, i64 k) {
         q.x = (const float *)(uintptr_t)row[F_G]; q.i0 = 0; q.i1 = row[F_N];
         FINITE_FN(&q);
         if (!q.ok) {                     /* NaN/Inf: the state stays as it is */
-            row[F_COUNT] = 0; row[F_NSEL] = NONFINITE; row[F_WORDS] = 0; f[D_THR] = 0.0;
+            mark_nonfinite(b, r->t);
             return;
         }
     }
@@ -734,7 +776,13 @@ static void select_one(batch_t *b, i64 t) {
     i64 *out = b->o + row[F_OUT];
     const uint32_t *bmax = b->bmax + b->boff[t];
     i64 nsel = -1;
-    if (2 * cnt < k) {
+    int nan_in_v = 0;                    /* a NaN in v: the backend's top-k ranks it first */
+    if (2 * cnt < k)
+        for (i64 q = 0, nb = (n + BLOCK - 1) / BLOCK; q < nb && !nan_in_v; q++)
+            nan_in_v = bmax[q] > 0x7f800000u;
+    if (nan_in_v) {
+        nsel = -1;                       /* left to the caller */
+    } else if (2 * cnt < k) {
         /* Too few candidates: the backend would take the exact top-k over v. Its set (when
          * unique) is also the top-k among the positions above any threshold that at least k of
          * them reach: lower the threshold to the (4 ks)-th, (16 ks)-th, ... largest sample, then,
@@ -817,14 +865,16 @@ static int step_many_impl(i64 *d, double *f, i64 nt, int threads, i64 *o, float 
     b.soff = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
     b.order = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
     b.small = (char *)malloc((size_t)(nt + 1));
+    b.bad = (char *)calloc((size_t)(nt + 1), 1);
     i64 nblk = 0, nsmp = 0, nranges = 0, nbig = 0;
-    if (!b.boff || !b.soff || !b.order || !b.small) { rc = -1; goto out; }
+    if (!b.boff || !b.soff || !b.order || !b.small || !b.bad) { rc = -1; goto out; }
     for (i64 t = 0; t < nt; t++) {
         const i64 *row = d + NF * t;
         const i64 blocks = (row[F_N] + BLOCK - 1) / BLOCK;
         b.boff[t] = nblk; b.soff[t] = nsmp;
         if (row[F_NPOS] > 0) { nblk += blocks; nsmp += row[F_NPOS]; }
-        nranges += (blocks <= SMALL_BLOCKS ? 1 : (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS)
+        nranges += (blocks <= SMALL_BLOCKS ? 1 : (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS
+                                                 + (row[F_N] + CHUNK_FINITE - 1) / CHUNK_FINITE)
                    + (row[F_NPOS] + CHUNK_SAMPLES - 1) / CHUNK_SAMPLES;
         b.small[t] = blocks <= SMALL_BLOCKS;   /* one task does all of it, in cache */
         if (!b.small[t]) b.order[nbig++] = t;
@@ -833,6 +883,18 @@ static int step_many_impl(i64 *d, double *f, i64 nt, int threads, i64 *o, float 
     b.smp = (float *)malloc(sizeof(float) * (size_t)(nsmp + 1));
     b.r = (range_t *)malloc(sizeof(range_t) * (size_t)(nranges + 1));
     if (!b.bmax || !b.smp || !b.r) { rc = -1; goto out; }
+    /* 0. the large gradients' NaN/Inf check (a small one is checked by the task that updates
+     *    it): a row with any is left out of what follows, its state untouched */
+    b.nr = 0;
+    for (i64 q = 0; q < nbig; q++)
+        b.nr += make_ranges(b.r + b.nr, b.order[q], d[NF * b.order[q] + F_N], CHUNK_FINITE);
+    parallel(large_finite_task, &b, b.nr, threads);
+    i64 ngood = 0;
+    for (i64 q = 0; q < nbig; q++) {
+        if (b.bad[b.order[q]]) mark_nonfinite(&b, b.order[q]);
+        else b.order[ngood++] = b.order[q];
+    }
+    nbig = ngood;
     /* the large tensors, largest first, for phase 3 (no allocation after the state changes) */
     size_row *sr = (size_row *)malloc(sizeof(size_row) * (size_t)(nbig + 1));
     if (!sr) { rc = -1; goto out; }
@@ -842,7 +904,8 @@ static int step_many_impl(i64 *d, double *f, i64 nt, int threads, i64 *o, float 
     b.nr = 0;
     for (i64 t = 0; t < nt; t++) {
         const i64 blocks = (d[NF * t + F_N] + BLOCK - 1) / BLOCK;
-        b.nr += make_ranges(b.r + b.nr, t, blocks, b.small[t] ? SMALL_BLOCKS : CHUNK_BLOCKS);
+        if (!b.bad[t])
+            b.nr += make_ranges(b.r + b.nr, t, blocks, b.small[t] ? SMALL_BLOCKS : CHUNK_BLOCKS);
     }
     parallel(update_task, &b, b.nr, threads);
     /* 2. the sampled magnitudes of the large tensors */
@@ -871,8 +934,8 @@ static int step_many_impl(i64 *d, double *f, i64 nt, int threads, i64 *o, float 
         }
     }
 out:
-    free(b.boff); free(b.soff); free(b.order); free(b.small); free(b.bmax); free(b.smp);
-    free(b.r);
+    free(b.boff); free(b.soff); free(b.order); free(b.small); free(b.bad); free(b.bmax);
+    free(b.smp); free(b.r);
     return rc;
 }
 

@@ -21,7 +21,7 @@ Tensors smaller than ``min_sparse_numel`` skip selection: their momentum-correct
 exactly momentum SGD on them.
 
 Non-finite gradients: a tensor whose local gradient has NaN/Inf is not accumulated (u and v stay
-as they were). Its rank sends an empty payload flagged FLAG_NONFINITE (or, for dense tensors, the
+as they were); with weight decay the gradient checked is g + λ·param, what would be accumulated. Its rank sends an empty payload flagged FLAG_NONFINITE (or, for dense tensors, the
 NaN gradient itself); every rank then returns NaN for that tensor — as a dense allreduce would —
 and the ranks that had sent entries put them back into their residual, so nothing is lost. A
 loss-scaling skip (torch.amp GradScaler) therefore skips the step on every rank alike. (The
@@ -334,13 +334,18 @@ class DGCCore:
                 self._add_counts(seg)
                 seg = []
                 names.clear()
-                self.step_stats = CompressionStats()
-            if not names:
-                self.step_stats.steps = 1
-                self.total_stats.steps += 1
+            if not names:                          # the first tensor of a step
+                self._new_step()
             names.add(name)
             seg.append(row)
         self._add_counts(seg)
+
+    def _new_step(self):
+        """Statistics for a step that begins now (fresh step_stats: after load_state_dict the
+        loaded ones describe the step before)."""
+        self.step_stats = CompressionStats()
+        self.step_stats.steps = 1
+        self.total_stats.steps += 1
 
     def _add_counts(self, seg):
         if not seg:
@@ -397,17 +402,19 @@ class DGCCore:
         st = self._state(name, grad)
         g = B.float32_view(grad)                  # read only from here on
         plan = self._usable_plan(st, g)
+        # the gradient that is accumulated: clipped, and with weight decay g + λ·param; it is the
+        # one checked for NaN/Inf (a NaN parameter must not reach the residual either)
+        scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
+        if c.weight_decay:
+            g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
+            scale = 1.0
         gp = B.kernel_ptr(g) if plan else None
         threads = B.kernel_threads() if gp is not None else 1
         if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
                 else B.all_finite(g)):
             return self._nonfinite(st, g, t0, drawn=False)
         if gp is not None:
-            return self._compress_fused(st, plan, g, gp, world_size, param, t0, threads)
-        scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
-        if c.weight_decay:
-            g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
-            scale = 1.0
+            return self._compress_fused(st, plan, g, gp, scale, t0, threads)
         if not st.sparse:
             v = B.zeros(st.numel, like=g)
             momentum_correction(B, st.u, v, g, c.momentum, c.nesterov, scale)
@@ -483,7 +490,8 @@ class DGCCore:
                 plan = st.plan if st is not None else None
                 gp = grad_ptr(grad) if plan and st.sparse else None
                 if (gp is not None and plan.u is st.u and plan.v is st.v
-                        and st.numel == numel(grad) and not (needs_param and param is None)):
+                        and st.numel == numel(grad)
+                        and not (needs_param and (param is None or numel(param) != st.numel))):
                     fused[i] = (st, plan, grad, gp)
                 else:
                     others.append(i)
@@ -506,15 +514,7 @@ class DGCCore:
             if others:
                 fused = dict(sorted(fused.items()))      # in entry order
             threads = B.kernel_threads()
-            # the large gradients are checked for NaN/Inf now, the small ones by the batch kernel
-            small = kernels.SMALL_NUMEL
-            large = [i for i, f in fused.items() if f[0].numel > small]
-            if large:
-                finite = kernels.finite_many([(fused[i][3], fused[i][0].numel) for i in large],
-                                             threads)
-                for i, ok in zip(large, finite):
-                    if not ok:
-                        del fused[i]
+            # (the batch kernel checks each gradient for NaN/Inf before it changes its state)
             if len(fused) == len(entries):
                 return self._compress_batch(entries, fused, world_size, threads, t0)
             return self._compress_mixed(entries, fused, world_size, threads, t0)
@@ -629,16 +629,14 @@ class DGCCore:
         self._add_segment(sts[:j], counts[:j], words[:j], share, density)
         if j < len(sts):
             names.clear()
-            self.step_stats = CompressionStats()
             self._add_segment(sts[j:], counts[j:], words[j:], share, density)
 
     def _add_segment(self, sts, counts, words, share, density):
         if not sts:
             return
         names = self._step_names
-        if not names:
-            self.step_stats.steps = 1
-            self.total_stats.steps += 1
+        if not names:                              # the first tensor of a step
+            self._new_step()
         names.update(st.name for st in sts)
         n = sum(st.numel for st in sts)
         selected, wire_bytes = sum(counts), 4 * sum(words) + PLACEHOLDER_BYTES * len(sts)
@@ -658,9 +656,14 @@ class DGCCore:
         if not self.B.is_floating(grad):
             raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
                             f"got dtype {getattr(grad, 'dtype', type(grad))}")
-        if self.config.weight_decay and param is None:
-            raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the parameter "
-                             f"of {name!r} (param=...), got None")
+        if self.config.weight_decay:
+            if param is None:
+                raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the "
+                                 f"parameter of {name!r} (param=...), got None")
+            if self.B.numel(param) != self.B.numel(grad):
+                raise ValueError(f"DGC: the parameter of {name!r} has {self.B.numel(param)} "
+                                 f"elements, its gradient {self.B.numel(grad)}: they must match "
+                                 "(weight_decay adds λ·param to the gradient)")
 
     def _check_entry(self, name, grad, param=None):
         """Every check of :meth:`compress` (also the size against the tensor's state), without
@@ -675,13 +678,14 @@ class DGCCore:
             raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
                              f"created for {st.numel}")
 
-    def _compress_fused(self, st, plan, g, gp, world_size, param, t0, threads):
-        """The sparse branch of compress on the fused kernels (st.plan applies, g is finite)."""
+    def _compress_fused(self, st, plan, g, gp, scale, t0, threads):
+        """The sparse branch of compress on the fused kernels (st.plan applies, g is the finite
+        gradient to accumulate, with its clipping scale)."""
         B, c = self.B, self.config
         density = self.density
         if density != plan.density:
             plan.set_density(B, st.numel, c, density)
-        idx = kernels.accumulate_select(self, st, plan, g, gp, world_size, param, threads)
+        idx = kernels.accumulate_select(self, st, plan, g, gp, scale, threads)
         return self._fused_finish(st, plan, idx, t0, density)
 
     def _fused_finish(self, st, plan, idx, t0, density):

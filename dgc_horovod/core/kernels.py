@@ -20,12 +20,12 @@ the candidates. Encoding (delta16 or int32 indices, float32 values), the gather 
 values and the clearing of the sent positions (momentum factor masking, §3.2) are a second call.
 
 :meth:`DGCCore.compress_many` (a bucket of tensors; what the PyTorch adapter calls) uses the batch
-entry points instead: :func:`finite_many` checks the bucket's gradients of more than
-:data:`SMALL_NUMEL` elements in one call, and :class:`Batch` draws the bucket's sample uniforms in
-one generator call and runs one ``step_many`` call that checks the smaller gradients and updates,
-selects and encodes them all, spreading the work over a persistent pool of threads (a tensor of
-at most SMALL_NUMEL = 262,144 elements is one task, done while it is in cache; larger ones are cut
-in chunks of 65,536 elements). Same arithmetic, same results.
+entry point instead: :class:`Batch` draws the bucket's sample uniforms in one generator call and
+runs one ``step_many`` call that checks every gradient for NaN/Inf and updates, selects and
+encodes them all, spreading the work over a persistent pool of threads (a tensor of at most
+:data:`SMALL_NUMEL` = 262,144 elements is one task that checks it and does the rest while it is
+in cache; larger ones are checked first, then cut in chunks of 65,536 elements). Same arithmetic,
+same results.
 """
 import math
 import os
@@ -33,7 +33,6 @@ from array import array
 from itertools import accumulate
 
 from dgc_horovod.core import wire
-from dgc_horovod.core.accumulate import add_weight_decay, clip_by_local_norm
 from dgc_horovod.core.sparsify import SAMPLE_OVERSHOOT, select_topk
 
 try:
@@ -160,14 +159,14 @@ def all_finite(n, gp, threads=1):
     return _kernels.all_finite(gp, n, threads)
 
 
-def accumulate_select(core, st, plan, g, gp, world_size, param, threads=1):
+def accumulate_select(core, st, plan, g, gp, scale, threads=1):
     """Accumulate a finite gradient into st.u / st.v and select what to send (fused path).
 
-    The kernel twin of clip → weight decay → :func:`accumulate.momentum_correction` →
-    :func:`sparsify.select_topk` in :meth:`DGCCore.compress` (which has checked that g is finite
-    and that the kernels apply to this tensor). Args: core (DGCCore), st (TensorState), plan
-    (Plan), g (flat float32 gradient, read only) and gp (its pointer), world_size (int), param
-    (the parameter, for weight decay), threads (int, for the kernel). Returns the int64 index
+    The kernel twin of :func:`accumulate.momentum_correction` → :func:`sparsify.select_topk` in
+    :meth:`DGCCore.compress` (which has applied weight decay, checked that g is finite and that
+    the kernels apply to this tensor). Args: core (DGCCore), st (TensorState), plan (Plan), g
+    (flat float32 gradient, read only) and gp (its pointer), scale (float, the clipping factor
+    still to apply to g), threads (int, for the kernel). Returns the int64 index
     tensor of the positions to send (unique, a new tensor that the caller may sort in place;
     unordered, or ascending for delta16).
 
@@ -178,11 +177,6 @@ def accumulate_select(core, st, plan, g, gp, world_size, param, threads=1):
     """
     B, c = core.B, core.config
     n = st.numel
-    scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
-    if c.weight_decay:
-        g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
-        gp = B.kernel_ptr(g)
-        scale = 1.0
     if not plan.sampled:
         _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum, scale,
                       0, 0, 0, 0, 0, 0, threads)
@@ -254,7 +248,9 @@ def finish(core, st, plan, idx):
 
 def finite_many(tensors, threads=1):
     """[True if float32 tensor i has no NaN/Inf] for tensors = [(address, numel), ...]: one
-    kernel call, split in chunks of 65,536 elements over up to ``threads`` threads."""
+    kernel call, split in chunks of 65,536 elements over up to ``threads`` threads. (compress_many
+    no longer calls it: step_many checks the gradients itself. The tests of the thread pool use
+    it to run regions of many small tasks.)"""
     desc = array("q")
     for gp, n in tensors:
         desc.extend((gp, n, 0))
@@ -262,8 +258,9 @@ def finite_many(tensors, threads=1):
     return [bool(desc[3 * i + 2]) for i in range(len(tensors))]
 
 
-#: Tensors of at most this many elements are checked for NaN/Inf by the batch kernel itself
-#: (the task that updates them, just before); compress_many checks larger ones beforehand.
+#: Tensors of at most this many elements are one task of the batch kernel (checked for NaN/Inf,
+#: updated and finished while in cache); larger ones are checked in a first phase, then cut in
+#: chunks.
 SMALL_NUMEL = _kernels.SMALL_NUMEL if _kernels is not None else 0
 NONFINITE = _kernels.NONFINITE if _kernels is not None else -2
 
