@@ -350,20 +350,24 @@ class DGCCore:
     def _add_counts(self, seg):
         if not seg:
             return
-        n = sum(r[0].numel for r in seg)
-        sparse = sum(int(r[0].sparse) for r in seg)
-        selected, wire_bytes = sum(r[1] for r in seg), sum(r[2] for r in seg)
-        nonfinite, seconds = sum(int(r[3]) for r in seg), sum(r[4] for r in seg)
+        self._add_totals(len(seg), sum(int(r[0].sparse) for r in seg),
+                         sum(r[0].numel for r in seg), sum(r[1] for r in seg),
+                         sum(r[2] for r in seg), sum(int(r[3]) for r in seg),
+                         sum(r[4] for r in seg), seg[-1][5])
+
+    def _add_totals(self, tensors, sparse, elements, selected, wire_bytes, nonfinite, seconds,
+                    density):
+        """Add a run of tensors of the current step to step_stats and total_stats."""
         for s in (self.step_stats, self.total_stats):
-            s.tensors += len(seg)
+            s.tensors += tensors
             s.sparse_tensors += sparse
-            s.elements += n
+            s.elements += elements
             s.selected += selected
             s.wire_bytes += wire_bytes
-            s.dense_bytes += 4 * n
+            s.dense_bytes += 4 * elements
             s.nonfinite_tensors += nonfinite
             s.compress_seconds += seconds
-            s.density = seg[-1][5]
+            s.density = density
 
     # ----------------------------------------------------------------- compress / decompress
     def compress(self, name, grad, world_size, param=None):
@@ -402,12 +406,9 @@ class DGCCore:
         st = self._state(name, grad)
         g = B.float32_view(grad)                  # read only from here on
         plan = self._usable_plan(st, g)
-        # the gradient that is accumulated: clipped, and with weight decay g + λ·param; it is the
-        # one checked for NaN/Inf (a NaN parameter must not reach the residual either)
-        scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
-        if c.weight_decay:
-            g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
-            scale = 1.0
+        # the gradient that is accumulated is the one checked for NaN/Inf (with weight decay a
+        # NaN parameter must not reach the residual either)
+        g, scale = self._accumulated(g, param, world_size)
         gp = B.kernel_ptr(g) if plan else None
         threads = B.kernel_threads() if gp is not None else 1
         if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
@@ -424,6 +425,16 @@ class DGCCore:
         k = k_for(st.numel, self.density)
         idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
         return self._finish_ops(st, idx, t0)
+
+    def _accumulated(self, g, param, world_size):
+        """(gradient, clipping scale still to apply) that momentum correction accumulates, from
+        the flat float32 gradient g: g with its local clipping factor (§3.2), or with weight
+        decay the new tensor scale·g + λ·param and 1.0."""
+        B, c = self.B, self.config
+        scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
+        if c.weight_decay:
+            return add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale), 1.0
+        return g, scale
 
     def _nonfinite(self, st, g, t0, drawn):
         """What compress returns for a gradient g with NaN/Inf (st's state is not touched): a
@@ -478,7 +489,7 @@ class DGCCore:
         B, c = self.B, self.config
         t0 = time.perf_counter()
         with self._lock:
-            states, density = self.states, self.density
+            states = self.states
             numel, grad_ptr = B.numel, B.kernel_grad_ptr
             needs_param = bool(c.weight_decay)
             # the usual entry: a sparsified tensor with its fused plan and a float32 gradient in
@@ -530,11 +541,8 @@ class DGCCore:
                 plan.set_density(B, st.numel, c, density)
             scale = 1.0
             if not simple:
-                g = B.float32_view(g)
-                scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
-                if c.weight_decay:
-                    g = add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale)
-                    gp, scale = B.kernel_ptr(g), 1.0
+                g, scale = self._accumulated(B.float32_view(g), param, world_size)
+                gp = B.kernel_ptr(g)
             add(st, plan, g, gp, scale)
 
     def _compress_batch(self, entries, fused, world_size, threads, t0):
@@ -552,8 +560,15 @@ class DGCCore:
             batch.release()
             self._count_batch(sts, batch.counts, batch.words, seconds, self.density)
             return results
-        return self._batch_results(batch, list(range(len(entries))), [()] * len(entries),
-                                   [None] * len(entries), seconds)
+        n = len(entries)
+        results, counts = [None] * n, [()] * n
+        self._deferred = []
+        try:
+            self._batch_results(batch, list(range(n)), counts, results, seconds)
+        finally:
+            self._deferred = None
+        self._count_rows([row for entry in counts for row in entry])
+        return results
 
     def _compress_mixed(self, entries, fused, world_size, threads, t0):
         """compress_many when some entries run as in compress (dense, non-finite large, ...)."""
@@ -586,37 +601,31 @@ class DGCCore:
 
     def _batch_results(self, batch, rows, counts, results, seconds):
         """Fill results[i] and counts[i] (statistics rows) for the batch rows (entry indices
-        rows, in batch order) after batch.run(); the rows the kernel left finish here."""
+        rows, in batch order) after batch.run(); the rows the kernel left finish here. The
+        caller has set self._deferred to a list and counts the rows afterwards."""
         density, masked = self.density, batch.masking
         share = seconds / sum(row[0].numel for row in batch.rows)
         finished = batch.finished()
-        deferred, self._deferred = self._deferred, []
-        try:
-            for r, i in enumerate(rows):
-                done = finished.get(r)
-                if done is None:
-                    st, plan, thr, cnt = batch.result(r)
-                    if cnt is None:                          # NaN/Inf: state untouched
-                        results[i] = self._nonfinite(st, batch.rows[r][2], time.perf_counter(),
-                                                     drawn=True)
-                    else:
-                        idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
-                        results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
-                                                        density)
-                    counts[i], self._deferred = self._deferred, []
-                    continue
-                st = batch.rows[r][0]
-                payload, start, count, words = done
-                counts[i] = ((st, count, 4 * words + PLACEHOLDER_BYTES, False,
-                              share * st.numel, density),)
-                results[i] = ("sparse", payload, _BatchContext(
-                    st.name, st.numel, batch, start, count, masked))
-        finally:
-            self._deferred = deferred
+        for r, i in enumerate(rows):
+            done = finished.get(r)
+            if done is None:
+                st, plan, thr, cnt = batch.result(r)
+                if cnt is None:                              # NaN/Inf: state untouched
+                    results[i] = self._nonfinite(st, batch.rows[r][2], time.perf_counter(),
+                                                 drawn=True)
+                else:
+                    idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
+                    results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
+                                                    density)
+                counts[i], self._deferred = self._deferred, []
+                continue
+            st = batch.rows[r][0]
+            payload, start, count, words = done
+            counts[i] = ((st, count, 4 * words + PLACEHOLDER_BYTES, False, share * st.numel,
+                          density),)
+            results[i] = ("sparse", payload, _BatchContext(
+                st.name, st.numel, batch, start, count, masked))
         batch.release()                  # the contexts keep only the output buffers
-        if deferred is None:             # called by _compress_batch: count here
-            self._count_rows([row for entry in counts for row in entry])
-        return results
 
     def _count_batch(self, sts, counts, words, seconds, density):
         """Statistics of a batch whose rows the kernel all finished, as :meth:`_count_rows`
@@ -639,16 +648,8 @@ class DGCCore:
             self._new_step()
         names.update(st.name for st in sts)
         n = sum(st.numel for st in sts)
-        selected, wire_bytes = sum(counts), 4 * sum(words) + PLACEHOLDER_BYTES * len(sts)
-        for s in (self.step_stats, self.total_stats):
-            s.tensors += len(sts)
-            s.sparse_tensors += len(sts)
-            s.elements += n
-            s.selected += selected
-            s.wire_bytes += wire_bytes
-            s.dense_bytes += 4 * n
-            s.compress_seconds += share * n
-            s.density = density
+        self._add_totals(len(sts), len(sts), n, sum(counts),
+                         4 * sum(words) + PLACEHOLDER_BYTES * len(sts), 0, share * n, density)
 
     def _check_args(self, name, grad, param):
         """The argument checks of :meth:`compress` that need no state: dtype, and a parameter
