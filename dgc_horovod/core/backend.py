@@ -9,6 +9,8 @@ import copy
 
 import numpy as np
 
+from dgc_horovod.core.sparsify import sample_positions
+
 __all__ = ["Backend", "NumpyBackend"]
 
 _UNKNOWN = object()
@@ -154,9 +156,7 @@ class NumpyBackend(Backend):
 
     def kth_largest(self, x, k): return np.partition(x, x.size - k)[x.size - k]
     def sample(self, x, s, generator):
-        # sparsify.sample_positions: floor(u * n), at most n - 1, for s float64 uniforms u
-        pos = (generator.random(s) * x.size).astype(np.int64)
-        return x[np.minimum(pos, x.size - 1, out=pos)]
+        return x[sample_positions(self.sample_uniform(s, generator), x.size)]
     def indices_where_ge(self, x, t): return np.flatnonzero(x >= t).astype(np.int64)
     def drop_zeros(self, idx, mag): return idx[mag > 0]
     def take(self, x, idx): return x[idx]

@@ -1,6 +1,8 @@
 """Top-k selection by magnitude, exact or with a sampled threshold (Lin et al. 2018, §5)."""
 import math
 
+import numpy as np
+
 __all__ = ["k_for", "sample_count", "select_topk", "sample_positions", "MIN_SAMPLES",
            "SAMPLE_OVERSHOOT"]
 
@@ -32,10 +34,9 @@ def sample_positions(u, n):
 
     All s draws of a tensor come from one ``generator`` call of s float64 uniforms, so the
     kernels can draw a whole bucket's samples in one call and get the same positions as one call
-    per tensor. Returns an int64 array of u's shape. (The reference for tests; the backends
-    inline it.)
+    per tensor. Returns an int64 array of u's shape. (The NumPy backend's sample() calls it; the
+    PyTorch and TensorFlow backends compute the same with their own ops.)
     """
-    import numpy as np
     pos = (np.asarray(u, dtype=np.float64) * n).astype(np.int64)
     return np.minimum(pos, n - 1)
 

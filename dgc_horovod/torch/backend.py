@@ -52,7 +52,7 @@ class TorchBackend(Backend):
     def sample(self, x, s, generator):
         # sparsify.sample_positions: floor(u * n), at most n - 1, for s float64 uniforms u
         n = x.numel()
-        u = torch.rand(s, dtype=torch.float64, generator=generator)
+        u = self.sample_uniform(s, generator)
         return x[u.mul_(n).long().clamp_(max=n - 1).to(x.device)]
 
     def indices_where_ge(self, x, t):
