@@ -36,7 +36,7 @@ from shapes import resnet50  # noqa: E402
 
 from dgc_horovod.core import DGCConfig, DGCCore  # noqa: E402
 from dgc_horovod.core.sparsify import k_for  # noqa: E402
-from dgc_horovod.torch.backend import TorchBackend  # noqa: E402
+from dgc_horovod.backends.torch_backend import TorchBackend  # noqa: E402
 
 
 def timed_rounds(fns, repeats, twice=False):

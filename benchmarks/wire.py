@@ -4,7 +4,10 @@ Runs the real compressor (dgc_horovod.core.DGCCore on PyTorch tensors) over the 
 of ResNet-50 (and a DeepSpeech-like model and the paper's LSTM language model), with Gaussian
 gradients, at density 0.001, and counts every byte a rank sends: each sparsified tensor's payload
 (header included) and its 4-byte placeholder in Horovod's allreduce, and the dense allreduce of
-the tensors below ``min_sparse_numel``. Prints the ratio to the dense fp32 gradient.
+the tensors that are not sparsified. Prints the ratio to the dense fp32 gradient for three rules
+of which tensors are sparsified: the default (1-D tensors dense, ``min_sparse_ndim=2``, as the
+authors' reference code), every tensor (``min_sparse_ndim=1``), and tensors of 1024 elements
+or more.
 
     python benchmarks/wire.py [--steps 3] [--models resnet50,lstm_lm,deepspeech_like]
 """
@@ -19,13 +22,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import MODELS  # noqa: E402
 
 from dgc_horovod.core import DGCConfig, DGCCore  # noqa: E402
-from dgc_horovod.torch.backend import TorchBackend  # noqa: E402
+from dgc_horovod.backends.torch_backend import TorchBackend  # noqa: E402
 
 FORMATS = [("int32", "float32"), ("delta16", "float32"), ("delta16", "float16")]
+#: which tensors are sparsified: (label, DGCConfig options)
+RULES = [("1-D dense (default)", {}), ("every tensor", dict(min_sparse_ndim=1)),
+         (">= 1024 elements", dict(min_sparse_ndim=1, min_sparse_numel=1024))]
 
 
 def step_bytes(shapes, grads, steps, **cfg):
-    core = DGCCore(DGCConfig(warmup_epochs=0, **cfg), TorchBackend())
+    core = DGCCore(DGCConfig(warmup_steps=0, environ={}, **cfg), TorchBackend())
     for _ in range(steps):
         for (name, _), g in zip(shapes, grads):
             core.compress(name, g, world_size=8)
@@ -46,13 +52,13 @@ def main():
         dense = 4 * numel
         print(f"\n{model}: {len(shapes)} tensors, {numel:,} elements, dense fp32 "
               f"{dense / 2**20:.1f} MiB per rank per step, density {args.density}")
-        print(f"{'index':>8} {'values':>8} {'min_sparse_numel':>16} {'sparse':>7} "
+        print(f"{'index':>8} {'values':>8} {'sparsified':>20} {'sparse':>7} "
               f"{'bytes/step':>11} {'ratio':>8}")
-        for min_sparse in (1024, 1):
+        for label, rule in RULES:
             for index, values in FORMATS:
                 st = step_bytes(shapes, grads, args.steps, compress_ratio=args.density,
-                                wire_index=index, wire_values=values, min_sparse_numel=min_sparse)
-                print(f"{index:>8} {values:>8} {min_sparse:>16} {st.sparse_tensors:>7} "
+                                wire_index=index, wire_values=values, **rule)
+                print(f"{index:>8} {values:>8} {label:>20} {st.sparse_tensors:>7} "
                       f"{st.wire_bytes:>11,} {dense / st.wire_bytes:>7.0f}x")
 
 

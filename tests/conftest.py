@@ -43,3 +43,24 @@ def read_timeline(path):
             shape = json.loads(e["args"]["shape"])
             out.append((names[e["pid"]], e["args"]["dtype"], shape))
     return out
+
+
+#: The settings the unit tests of the sparse path's mechanics (test_core, test_kernels, the batch
+#: tests, test_checkpoint, test_wire_fuzz) were written for: they feed flat 1-D gradients and
+#: expect them sparsified, drive the warm-up with set_epoch, clip per tensor, and accumulate weight
+#: decay. DGCConfig reads HOROVOD_DGC_* wherever a test does not pass the option itself; a test
+#: that passes environ={} or the option explicitly is not affected.
+SPARSE_MECHANICS_ENV = {
+    "HOROVOD_DGC_MIN_SPARSE_NDIM": "1",
+    "HOROVOD_DGC_WARMUP_EPOCHS": "4",
+    "HOROVOD_DGC_CLIP_SCOPE": "tensor",
+    "HOROVOD_DGC_WEIGHT_DECAY_MODE": "accumulated",
+}
+
+
+@pytest.fixture
+def sparse_mechanics(monkeypatch):
+    """Pin the settings of :data:`SPARSE_MECHANICS_ENV` for one test (module-wide with
+    ``pytestmark = pytest.mark.usefixtures("sparse_mechanics")``)."""
+    for k, v in SPARSE_MECHANICS_ENV.items():
+        monkeypatch.setenv(k, v)

@@ -18,10 +18,13 @@ import pytest
 import torch
 
 from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, kernels
-from dgc_horovod.torch.backend import TorchBackend
+from dgc_horovod.backends.torch_backend import TorchBackend
 from batch_helpers import raw, restore_torch_threads, to_np  # noqa: F401 (the fixture applies)
 from batch_helpers import convert as tensor
 from batch_helpers import same_gen as gen_equal
+
+# these tests are of the sparse path's mechanics on flat gradients (see conftest)
+pytestmark = pytest.mark.usefixtures("sparse_mechanics")
 
 F32 = np.float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -530,7 +533,7 @@ def test_nan_in_the_residual_threshold_overshoot_torch():
 _DENORMAL = textwrap.dedent("""
     import numpy as np, torch
     from dgc_horovod.core import DGCConfig, DGCCore
-    from dgc_horovod.torch.backend import TorchBackend
+    from dgc_horovod.backends.torch_backend import TorchBackend
     torch.set_num_threads(2)
     # the kernels' thread pool starts here, with the default floating-point mode
     DGCCore(DGCConfig(warmup_epochs=0), TorchBackend()).compress_many(

@@ -20,9 +20,12 @@ import torch
 
 from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, kernels, wire
 from dgc_horovod.core.compressor import _BatchContext
-from dgc_horovod.torch.backend import TorchBackend
+from dgc_horovod.backends.torch_backend import TorchBackend
 from batch_helpers import (convert, raw, restore_torch_threads,  # noqa: F401 (the fixture)
                            same_gen, to_np)
+
+# these tests are of the sparse path's mechanics on flat gradients (see conftest)
+pytestmark = pytest.mark.usefixtures("sparse_mechanics")
 
 F32 = np.float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

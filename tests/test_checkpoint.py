@@ -25,8 +25,11 @@ import torch
 from conftest import BIN, ROOT, horovodrun
 from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, wire
 from dgc_horovod.core.compressor import STATE_DICT_VERSION
-from dgc_horovod.tensorflow.backend import TFBackend
-from dgc_horovod.torch.backend import TorchBackend
+from dgc_horovod.backends.tf_backend import TFBackend
+from dgc_horovod.backends.torch_backend import TorchBackend
+
+# these tests are of the sparse path's mechanics on flat gradients (see conftest)
+pytestmark = pytest.mark.usefixtures("sparse_mechanics")
 
 WORKER = "tests/workers/checkpoint_worker.py"
 BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend(), "tensorflow": TFBackend()}
@@ -231,8 +234,10 @@ def test_state_dict_contents():
     core = DGCCore(DGCConfig(**CFG), BACKENDS["torch"])
     run_steps([core], 0, 4)
     sd = core.state_dict(world_size=2, rank=1)
-    assert set(sd) == {"version", "config", "epoch", "world_size", "rank", "tensors",
+    assert set(sd) == {"version", "config", "epoch", "steps", "world_size", "rank", "tensors",
                        "generator", "total_stats", "step_stats"}
+    assert sd["steps"] == 4
+    assert set(sd["tensors"]["w"]) == {"numel", "ndim", "sparse", "u", "v", "wd"}
     assert sd["version"] == STATE_DICT_VERSION
     assert sd["config"] == DGCConfig(**CFG).to_dict()
     assert (sd["epoch"], sd["world_size"], sd["rank"]) == (1.0, 2, 1)

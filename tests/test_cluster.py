@@ -177,7 +177,7 @@ def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
     # DGC at density 0.001: the compressor's count, and the link carries well under 1/10 of dense
     # (the rest of what it carries is mostly Horovod's coordination, ~0.4 MB/s while it waits)
     assert 0.0005 < dgc["density"] <= 0.001
-    assert dgc["bytes"] < r["dense_bytes"] / 300
+    assert dgc["bytes"] < r["dense_bytes"] / 250       # 1-D tensors dense: about 277x
     assert dgc["iface_tx_bytes"] < r["dense_bytes"] / 10, dgc
     assert "speedup" in proc.stdout and "ideal" in proc.stdout
 

@@ -34,8 +34,9 @@ def test_every_option_has_one_variable():
 
 def test_defaults_without_environment():
     cfg = DGCConfig()
-    assert cfg.to_dict() == {k: (float(v) if k == "warmup_epochs" else v)
-                             for k, v in DGCConfig.DEFAULTS.items()}
+    assert cfg.to_dict() == DGCConfig.DEFAULTS
+    assert (cfg.clip_scope, cfg.min_sparse_ndim, cfg.warmup_steps, cfg.warmup_epochs,
+            cfg.weight_decay_mode) == ("global", 2, 1000, None, "separate")
     assert set(cfg.sources.values()) == {"default"}
     assert str(cfg) == repr(cfg)            # nothing to annotate
 

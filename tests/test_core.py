@@ -18,8 +18,11 @@ from dgc_horovod.core import (CompressionStats, DGCConfig, DGCCore, NumpyBackend
                               WireFormatError, density_at)
 from dgc_horovod.core import accumulate, wire
 from dgc_horovod.core.sparsify import select_topk
-from dgc_horovod.torch.backend import TorchBackend
-from dgc_horovod.tensorflow.backend import TFBackend
+from dgc_horovod.backends.torch_backend import TorchBackend
+from dgc_horovod.backends.tf_backend import TFBackend
+
+# these tests are of the sparse path's mechanics on flat gradients (see conftest)
+pytestmark = pytest.mark.usefixtures("sparse_mechanics")
 
 F32 = np.float32
 BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend(), "tensorflow": TFBackend()}
@@ -38,11 +41,13 @@ PLACEHOLDER = 4          # bytes of the 1-element fp32 placeholder a sparse tens
 
 
 # ============================================================ NumPy transcription of the paper
-def ref_clip(g, clip_norm, world_size):
-    """Local gradient clipping (§3.2): g ← g · min(1, clip_norm·N^(-1/2) / ‖g‖₂)."""
+def ref_clip(g, clip_norm, world_size, average=True):
+    """Local gradient clipping (§3.2): the paper clips the contribution nodes sum, ∇k = g/N under
+    Horovod's Average, at clip_norm·N^(-1/2); so g ← g · min(1, clip_norm·√N / ‖g‖₂) under
+    Average, and min(1, clip_norm·N^(-1/2) / ‖g‖₂) under Sum (g is then the contribution)."""
     if clip_norm is None:
         return g.astype(F32)
-    threshold = clip_norm / math.sqrt(world_size)
+    threshold = clip_norm * math.sqrt(world_size) if average else clip_norm / math.sqrt(world_size)
     norm = float(np.linalg.norm(g.astype(np.float64)))
     return (g * F32(min(1.0, threshold / norm))).astype(F32) if norm > 0 else g.astype(F32)
 
@@ -474,7 +479,10 @@ def test_local_clipping_threshold(backend, world_size, scale):
     s = accumulate.clip_by_local_norm(B, to_backend(B, g), 3.0, world_size)   # the factor
     got = g * F32(s)
     np.testing.assert_allclose(got, ref_clip(g, 3.0, world_size), rtol=1e-5, atol=1e-9)
-    assert np.linalg.norm(got) <= 3.0 / math.sqrt(world_size) * (1 + 1e-5)
+    assert np.linalg.norm(got) <= 3.0 * math.sqrt(world_size) * (1 + 1e-5)
+    s = accumulate.clip_by_local_norm(B, to_backend(B, g), 3.0, world_size, average=False)
+    np.testing.assert_allclose(g * F32(s), ref_clip(g, 3.0, world_size, average=False),
+                               rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)

@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, kernels, wire
-from dgc_horovod.torch.backend import TorchBackend
+from dgc_horovod.backends.torch_backend import TorchBackend
+
+# these tests are of the sparse path's mechanics on flat gradients (see conftest)
+pytestmark = pytest.mark.usefixtures("sparse_mechanics")
 
 F32 = np.float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -244,7 +247,7 @@ def test_which_tensors_take_the_fused_path():
         core = DGCCore(DGCConfig(warmup_epochs=0), B)
         core.compress("w", torch.randn(5000, device="cuda"), 1)
         assert core.states["w"].plan is False
-    from dgc_horovod.tensorflow.backend import TFBackend
+    from dgc_horovod.backends.tf_backend import TFBackend
     assert not DGCCore(DGCConfig(), TFBackend()).use_kernels
 
 

@@ -131,8 +131,8 @@ def test_wheel_from_sdist_equals_wheel_from_tree(built):
     assert built["wheels"]["tree"].name.startswith(f"dgc_horovod-{_repo_version()}-{tag}-{tag}-")
     assert [n for n in tree if n.startswith("dgc_horovod/core/_kernels.") and n.endswith(".so")]
     packages = {n.rsplit("/", 1)[0] for n in tree if n.endswith("/__init__.py")}
-    assert packages == {"dgc_horovod", "dgc_horovod/core", "dgc_horovod/torch",
-                        "dgc_horovod/tensorflow"}, packages  # no tests/, examples/, benchmarks/
+    assert packages == {"dgc_horovod", "dgc_horovod/core", "dgc_horovod/backends",
+                        "dgc_horovod/torch", "dgc_horovod/tensorflow"}, packages  # no tests/, examples/, benchmarks/
 
 
 def test_clean_venv_imports_core_without_any_framework(built):

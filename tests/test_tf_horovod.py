@@ -55,6 +55,15 @@ def test_keras_fit_with_warmup_callback(run):
     assert r["sparse"] == ["fc1/kernel:0", "fc2/kernel:0"]
 
 
+def test_global_clipping_and_separate_weight_decay_match_dense_transcriptions(run):
+    r = run["semantics"]
+    assert r["clipped_steps"] >= 4                  # the threshold C·√N clips in most steps
+    assert r["clip_global"] < 1e-6
+    assert r["weight_decay_separate"] < 1e-6
+    assert r["sparse"] == ["fc1/kernel:0", "fc2/kernel:0"]        # biases (1-D) go dense
+    assert r["wd_buffers"] == ["fc1/bias:0", "fc1/kernel:0", "fc2/bias:0", "fc2/kernel:0"]
+
+
 def test_keras_momentum_in_both_places_is_an_error(run):
     msg = run["keras_momentum_twice"]
     assert msg is not None and "momentum would be applied twice" in msg

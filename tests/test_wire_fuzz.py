@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dgc_horovod.core import NumpyBackend, WireFormatError, wire
-from dgc_horovod.torch.backend import TorchBackend
+from dgc_horovod.backends.torch_backend import TorchBackend
 
 NAME = "fuzz.layer3.weight"
 BUCKET = "dgc.bucket.fuzz"
@@ -36,7 +36,8 @@ FORMATS = [(i, v) for i in ("int32", "delta16") for v in ("float32", "float16")]
 
 # NaN/Inf values and fp16 overflow are part of the inputs; NumPy's warnings about them are noise
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.usefixtures("sparse_mechanics")]     # flat gradients (see conftest)
 
 FUZZ = settings(max_examples=int(os.environ.get("DGC_FUZZ_EXAMPLES", "150")), deadline=None,
                 database=None, derandomize="DGC_FUZZ_EXAMPLES" not in os.environ,

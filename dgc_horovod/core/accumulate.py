@@ -5,39 +5,90 @@ backend (see :mod:`dgc_horovod.core.backend`), updating state in place. Notation
 g gradient, u velocity (momentum buffer), v accumulated velocity (the residual, error feedback).
 """
 
-__all__ = ["clip_by_local_norm", "add_weight_decay", "momentum_correction", "clear_sent",
+__all__ = ["clip_threshold", "clip_factor", "clip_by_local_norm", "global_norm",
+           "add_weight_decay", "weight_decay_momentum", "momentum_correction", "clear_sent",
            "restore_sent"]
 
 _EPS = 1e-6
 
 
-def clip_by_local_norm(B, g, clip_norm, world_size):
-    """Local gradient clipping (§3.2): the factor that brings g to L2 norm ≤ clip_norm · N^(-1/2).
+def clip_threshold(clip_norm, world_size, average=True):
+    """The local clipping threshold of §3.2 for the gradient Horovod hands one rank.
 
-    Clipping happens on each worker before its gradient is accumulated; the threshold is scaled by
-    N^(-1/2) because the sum of N independent local gradients has about √N times their norm.
+    Algorithm 1 clips the local contribution that nodes *sum*, ∇k = (1/(N·b))·Σ∇f, to
+    ‖∇k‖ ≤ C·N^(-1/2) (the sum of N independent contributions has about √N times their norm, so
+    this matches a dense clip of the sum at C). Horovod hands DGC the rank's mean gradient:
 
-    Args:
-        B: backend. g: flat float32 gradient (not modified).
-        clip_norm (float or None): the global threshold; None means no clipping.
-        world_size (int): N, number of workers (>= 1).
-    Returns:
-        float: the scale s in (0, 1] to apply to g (1.0 without clipping).
+    * ``op=hvd.Average``: g_k = N·∇k and the update is (1/N)·Σ g_k, so the rule is
+      ‖g_k‖ ≤ C·N^(-1/2)·N = C·√N;
+    * ``op=hvd.Sum``: g_k is itself the summed contribution, so ‖g_k‖ ≤ C·N^(-1/2).
+
+    Args: clip_norm (float): C, the threshold of a dense clip of the reduced gradient.
+        world_size (int): N >= 1. average (bool): op=Average (True) or op=Sum (False).
+    Returns: float, the threshold on ‖g_k‖.
     """
+    return clip_norm * (world_size ** 0.5 if average else world_size ** -0.5)
+
+
+def clip_factor(norm, threshold):
+    """s = min(1, threshold / (norm + 1e-6)), the factor of ``torch.nn.utils.clip_grad_norm_``."""
+    return min(1.0, threshold / (float(norm) + _EPS))
+
+
+def global_norm(B, grads):
+    """sqrt(Σ ‖g‖²) over the finite tensors of ``grads`` (Pascanu et al.'s global norm, as the
+    paper clips: "the sum of their L2-norms" over all parameters), summed in float64 in the
+    order given. A tensor with NaN/Inf is left out: it is not accumulated at all (see
+    compressor), so it must not turn every other tensor's factor into NaN."""
+    total = 0.0
+    for g in grads:
+        g = B.float32_view(g)
+        n = float(B.norm(g))
+        if n == float("inf") and B.all_finite(g):
+            return n                        # finite but its float32 norm overflows
+        if n == n and n != float("inf"):
+            total += n * n
+    return total ** 0.5
+
+
+def clip_by_local_norm(B, g, clip_norm, world_size, average=True):
+    """Per-tensor local clipping (``clip_scope="tensor"``): the factor that brings g to
+    ‖g‖ ≤ :func:`clip_threshold`. 1.0 when clip_norm is None. g is not modified."""
     if clip_norm is None:
         return 1.0
-    threshold = clip_norm * world_size ** -0.5
-    return min(1.0, threshold / (float(B.norm(g)) + _EPS))
+    return clip_factor(B.norm(g), clip_threshold(clip_norm, world_size, average))
 
 
 def add_weight_decay(B, g, w, weight_decay, scale=1.0):
-    """A new tensor scale·g + λ·w (weight decay joins the clipped gradient before momentum
-    correction, as in the paper's implementation)."""
+    """``weight_decay_mode="accumulated"``: a new tensor s·g + λ·w (weight decay joins the
+    clipped gradient before momentum correction and is accumulated and sparsified with it)."""
     out = B.float32_flat(g)
     if scale != 1.0:
         B.mul_(out, scale)
     B.add_(out, w, alpha=weight_decay)
     return out
+
+
+def weight_decay_momentum(B, update, buf, w, weight_decay, momentum, nesterov=False):
+    """``weight_decay_mode="separate"`` (the authors' DGCSGD): weight decay with its own momentum,
+    added densely to the exchanged update, in place:
+
+        b ← m·b + λ·w ;  update ← update + b          (Nesterov: update + λ·w + m·b)
+
+    With b starting at 0 this is torch.optim.SGD's treatment of the λ·w part of the gradient, so
+    DGC at density 1 with it equals dense momentum SGD with weight decay. buf is None when m = 0
+    (then update ← update + λ·w). Returns update.
+    """
+    if buf is None:
+        B.add_(update, w, alpha=weight_decay)
+        return update
+    B.scale_add_(buf, momentum, w, weight_decay)
+    if nesterov:
+        B.add_(update, w, alpha=weight_decay)
+        B.add_(update, buf, alpha=momentum)
+    else:
+        B.add_(update, buf)
+    return update
 
 
 def momentum_correction(B, u, v, g, momentum, nesterov=False, scale=1.0):

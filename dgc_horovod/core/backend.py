@@ -29,6 +29,7 @@ class Backend:
 
     # --- shape and creation
     def numel(self, x): raise NotImplementedError              # -> int
+    def ndim(self, x): raise NotImplementedError               # -> int, dimensions
     def zeros(self, n, like): raise NotImplementedError        # float32 zeros (n,)
     def empty_indices(self, like): raise NotImplementedError   # int64 (0,)
     def float32_flat(self, x): raise NotImplementedError       # float32 1-D copy of x
@@ -125,6 +126,7 @@ class NumpyBackend(Backend):
     _fma = _UNKNOWN     # kernel_fma(): calibrated on first use
 
     def numel(self, x): return int(x.size)
+    def ndim(self, x): return int(np.ndim(x))
     def zeros(self, n, like=None): return np.zeros(n, dtype=np.float32)
     def empty_indices(self, like=None): return np.zeros(0, dtype=np.int64)
     def float32_flat(self, x): return np.asarray(x, dtype=np.float32).reshape(-1).copy()

@@ -2,11 +2,27 @@
 
 One gradient's path (Lin et al. 2018, Algorithm 1 with the techniques of §3):
 
-    compress:   g → [non-finite check] → clip (§3.2) → + weight decay → momentum correction
-                (§3.1): u ← m·u + g, v ← v + u → top-k of |v| (§5) → encode → clear sent
-                positions of v (and of u: momentum factor masking, §3.2)
+    compress:   g → [non-finite check] → local clip (§3.2: the step's factor s over all of the
+                rank's gradients, :meth:`DGCCore.clip_scale`) → [+ λ·w, weight_decay_mode
+                "accumulated"] → momentum correction (§3.1): u ← m·u + s·g, v ← v + u → top-k
+                of |v| (§5) → encode → clear sent positions of v (and of u: momentum factor
+                masking, §3.2)
     exchange:   the framework adapter allgathers the payload (Horovod allgather)
-    decompress: decode every rank's payload and sum in rank order → divide by N → optimizer
+    decompress: decode every rank's payload and sum in rank order → divide by N
+                → [+ b, b ← m·b + λ·w: weight_decay_mode "separate", :meth:`apply_weight_decay`]
+                → optimizer
+
+How Horovod's conventions map onto Algorithm 1: the paper's node k adds its contribution
+∇k = (1/(N·b))·Σ∇f to a *sum*; Horovod hands DGC the rank's mean gradient g_k = N·∇k (and,
+under ``op=hvd.Average``, divides the sum by N). Momentum correction and the residual are
+linear, so accumulating g_k instead of ∇k and dividing the decoded sum by N gives exactly the
+paper's update; only the clipping threshold depends on the convention
+(:func:`~dgc_horovod.core.accumulate.clip_threshold`: C·√N under Average, C/√N under Sum).
+The authors' reference code applies a dense tensor's momentum after its allreduce, we before
+it (the same by linearity; ours lets Horovod's allreduce carry the velocity).
+
+The warm-up (§3.3) counts the optimizer steps DGC sees (:attr:`DGCCore.steps`, saved in
+checkpoints) unless ``warmup_epochs`` makes it follow ``set_epoch``.
 
 On CPU tensors (NumPy, or torch in host memory) the sparse branch of compress runs as two calls
 of the fused C kernels of :mod:`dgc_horovod.core.kernels` (one memory pass for the accumulation,
@@ -16,9 +32,10 @@ TensorFlow, or ``DGCCore.use_kernels = False`` use the tensor ops of :mod:`accum
 compresses a bucket of tensors in one batch-kernel call (same results as one compress per tensor,
 with far less per-tensor overhead, spread over threads).
 
-Tensors smaller than ``min_sparse_numel`` skip selection: their momentum-corrected velocity
-(u, or g + m·u with Nesterov) goes through Horovod's dense allreduce, which by linearity gives
-exactly momentum SGD on them.
+Tensors that are not sparsified (:func:`~dgc_horovod.core.sparsify.is_sparse`: by default
+those with fewer than 2 dimensions, biases and normalisation scales, as in the reference code)
+skip selection: their momentum-corrected velocity (u, or g + m·u with Nesterov) goes through
+Horovod's dense allreduce, which by linearity gives exactly momentum SGD on them.
 
 Non-finite gradients: a tensor whose local gradient has NaN/Inf is not accumulated (u and v stay
 as they were); with weight decay the gradient checked is g + λ·param, what would be accumulated. Its rank sends an empty payload flagged FLAG_NONFINITE (or, for dense tensors, the
@@ -33,13 +50,16 @@ compress_many call draws a bucket's samples at once, before it knows which gradi
 """
 import threading
 import time
+import warnings
 
 from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_local_norm,
-                                         momentum_correction, restore_sent)
+                                         clip_factor, clip_threshold, global_norm,
+                                         momentum_correction, restore_sent,
+                                         weight_decay_momentum)
 from dgc_horovod.core.config import DGCConfig
-from dgc_horovod.core.sparsify import k_for, sample_count, select_topk
+from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
 from dgc_horovod.core.stats import CompressionStats
-from dgc_horovod.core.warmup import density_at
+from dgc_horovod.core.warmup import density_at, density_at_step
 from dgc_horovod.core import kernels, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
@@ -50,9 +70,12 @@ PLACEHOLDER_BYTES = 4
 
 
 #: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load).
-STATE_DICT_VERSION = 1
-_STATE_KEYS = ("version", "config", "epoch", "world_size", "rank", "tensors", "generator",
-               "total_stats", "step_stats")
+STATE_DICT_VERSION = 2
+_STATE_KEYS = ("version", "config", "epoch", "steps", "world_size", "rank", "tensors",
+               "generator", "total_stats", "step_stats")
+#: In epoch-driven warm-up (warmup_epochs set), DGC warns once when this many steps ran and
+#: set_epoch / set_step was never called: the warm-up would then never advance.
+EPOCH_CALL_CHECK_STEPS = 1000
 _MISSING = object()
 
 
@@ -73,15 +96,18 @@ def _stats_from(d, key):
 class TensorState:
     """DGC state of one gradient tensor on one worker.
 
-    Attributes: name (str), numel (int), sparse (bool: selected by top-k, else dense allreduce),
+    Attributes: name (str), numel (int), ndim (int: the gradient's dimensions), sparse (bool:
+    selected by top-k, else dense allreduce; :func:`~dgc_horovod.core.sparsify.is_sparse`),
     u (flat float32 velocity, or None when momentum is 0), v (flat float32 accumulated velocity,
-    the residual; None for dense tensors).
+    the residual; None for dense tensors), wd (flat float32 momentum buffer of the weight decay
+    term with ``weight_decay_mode="separate"``, else None).
     """
 
-    __slots__ = ("name", "numel", "sparse", "u", "v", "plan")
+    __slots__ = ("name", "numel", "ndim", "sparse", "u", "v", "wd", "plan")
 
-    def __init__(self, name, numel, sparse, u, v):
+    def __init__(self, name, numel, sparse, u, v, ndim=1, wd=None):
         self.name, self.numel, self.sparse, self.u, self.v = name, numel, sparse, u, v
+        self.ndim, self.wd = ndim, wd
         self.plan = None        # kernels.Plan of the fused path; False: tensor ops only
 
 
@@ -145,26 +171,81 @@ class DGCCore:
         self.total_stats = CompressionStats()
         self._deferred = None   # compress_many: statistics rows waiting for entry order
         self.use_kernels = kernels.available() and backend.kernel_fma() is not None
+        self._steps = 0         # optimizer steps begun (the warm-up position counts them)
+        self._epoch_set = False
+        self._warned = set()
 
     # ----------------------------------------------------------------- warm-up
     @property
+    def steps(self):
+        """Optimizer steps DGC has seen begin on this rank (a step begins at the first compress
+        of a tensor seen in the step before, or the first after a load or set_step)."""
+        return self._steps
+
+    @property
     def density(self):
-        """Density in force now (warm-up schedule of §3.3 at the current epoch)."""
+        """Density in force now: the warm-up schedule of §3.3 at the current step (the one in
+        progress, or the last one between steps), or at the current epoch with
+        ``warmup_epochs``."""
         c = self.config
+        if c.warmup_epochs is None:
+            return density_at_step(max(self._steps - 1, 0), c.compress_ratio, c.warmup_steps,
+                                   c.warmup_initial_density, c.warmup_per_step)
         return density_at(self.epoch, c.compress_ratio, c.warmup_epochs,
                           c.warmup_initial_density, c.warmup_per_step)
 
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    def _begin(self, name):
+        """Called at each compress / compress_many (lock held) with its first tensor's name:
+        counts a new step when that tensor was already compressed in this step (or nothing was
+        since the last load / set_step)."""
+        if not self._step_names or name in self._step_names:
+            self._steps += 1
+            c = self.config
+            if (c.warmup_epochs is not None and not self._epoch_set
+                    and self._steps > EPOCH_CALL_CHECK_STEPS
+                    and c.warmup_initial_density > c.compress_ratio and c.warmup_epochs > 0):
+                self._warn_once("epoch", (
+                    f"DGC: warmup_epochs={c.warmup_epochs} makes the warm-up follow set_epoch(), "
+                    f"but after {EPOCH_CALL_CHECK_STEPS} steps it was never called: DGC still "
+                    f"sends density {self.density:g} instead of compress_ratio="
+                    f"{c.compress_ratio:g}. Call dgc.set_epoch(epoch) every epoch, or leave "
+                    "warmup_epochs=None to let DGC count its own steps (warmup_steps)"))
+
     def set_epoch(self, epoch):
-        """Set the warm-up position in epochs (float >= 0); call it on every rank alike."""
+        """Set the warm-up position in epochs (float >= 0); call it on every rank alike.
+
+        Only with ``warmup_epochs`` set: by default DGC counts its own steps (``warmup_steps``)
+        and this call changes nothing (it warns once)."""
         if isinstance(epoch, bool) or not isinstance(epoch, (int, float)):
             raise TypeError(f"epoch must be a number >= 0, got {type(epoch).__name__} {epoch!r}")
         density_at(epoch, self.config.compress_ratio)  # validates the value
         self.epoch = float(epoch)
+        self._epoch_set = True
+        if self.config.warmup_epochs is None:
+            self._warn_once("set_epoch", (
+                "DGC: set_epoch() has no effect on the warm-up: it counts optimizer steps "
+                f"(warmup_steps={self.config.warmup_steps}). Pass warmup_epochs=... to make it "
+                "follow set_epoch()"))
 
-    def set_step(self, step, steps_per_epoch):
-        """Set the warm-up position from a global step count: epoch = step / steps_per_epoch."""
+    def set_step(self, step, steps_per_epoch=None):
+        """Set the warm-up position from a global step count (e.g. on resume without a DGC
+        checkpoint): with the default step-counted warm-up the next step is step ``step``
+        (0-based); with ``warmup_epochs`` the epoch becomes step / steps_per_epoch."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if self.config.warmup_epochs is None:
+            with self._lock:
+                self._steps = step
+                self._step_names = set()
+            return
         if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}")
+            raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r} "
+                             "(needed with warmup_epochs)")
         self.set_epoch(step / steps_per_epoch)
 
     # ----------------------------------------------------------------- checkpoint / resume
@@ -181,20 +262,22 @@ class DGCCore:
                 residuals are per rank, so :meth:`load_state_dict` checks them.
         Returns:
             dict with keys: version (STATE_DICT_VERSION), config (DGCConfig.to_dict()), epoch,
-            world_size, rank, tensors ({name: {numel, sparse, u, v}}; u is None with momentum 0,
-            v is None for dense tensors), generator (the threshold-sampling generator's state),
+            steps (optimizer steps begun: the warm-up position), world_size, rank, tensors
+            ({name: {numel, ndim, sparse, u, v, wd}}; u is None with momentum 0, v is None for
+            dense tensors, wd is the separate weight decay's momentum buffer or None), generator (the threshold-sampling generator's state),
             total_stats and step_stats (CompressionStats counters as dicts).
         """
         B = self.B
         with self._lock:
-            tensors = {name: {"numel": st.numel, "sparse": st.sparse,
-                              "u": None if st.u is None else B.state_copy(st.u),
-                              "v": None if st.v is None else B.state_copy(st.v)}
+            copy = (lambda t: None if t is None else B.state_copy(t))
+            tensors = {name: {"numel": st.numel, "ndim": st.ndim, "sparse": st.sparse,
+                              "u": copy(st.u), "v": copy(st.v), "wd": copy(st.wd)}
                        for name, st in self.states.items()}
             return {
                 "version": STATE_DICT_VERSION,
                 "config": self.config.to_dict(),
                 "epoch": self.epoch,
+                "steps": self._steps,
                 "world_size": world_size,
                 "rank": rank,
                 "tensors": tensors,
@@ -258,6 +341,9 @@ class DGCCore:
                     "state is per rank (residuals differ between ranks); each rank must load the "
                     "file it saved itself (or pass reset_residuals=True)")
         density_at(state_dict["epoch"], self.config.compress_ratio)     # validates the epoch
+        steps = state_dict["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"DGC state_dict 'steps' must be an int >= 0, got {steps!r}")
         states = {} if reset_residuals else self._states_from(state_dict["tensors"])
         total, step = (_stats_from(state_dict[k], k) for k in ("total_stats", "step_stats"))
         with self._lock:
@@ -268,6 +354,7 @@ class DGCCore:
                                  f"{self.B.name} backend: {e}") from e
             self.states = states
             self.epoch = float(state_dict["epoch"])
+            self._steps = steps
             self.total_stats, self.step_stats = total, step
             self._step_names = set()
 
@@ -275,30 +362,35 @@ class DGCCore:
         B, c = self.B, self.config
         if not isinstance(tensors, dict):
             raise ValueError("DGC state_dict 'tensors' must be a dict "
-                             "{name: {numel, sparse, u, v}}")
+                             "{name: {numel, ndim, sparse, u, v, wd}}")
         states = {}
         for name, t in tensors.items():
             try:
-                numel, sparse, u, v = t["numel"], t["sparse"], t["u"], t["v"]
+                numel, ndim, sparse = t["numel"], t["ndim"], t["sparse"]
+                u, v, wd = t["u"], t["v"], t["wd"]
             except (TypeError, KeyError):
-                raise ValueError(f"DGC state of {name!r} must be a dict with keys numel, sparse, "
-                                 "u, v") from None
-            if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
-                raise ValueError(f"DGC state of {name!r} has numel {numel!r}, not an int >= 1")
+                raise ValueError(f"DGC state of {name!r} must be a dict with keys numel, ndim, "
+                                 "sparse, u, v, wd") from None
+            for key, value, low in (("numel", numel, 1), ("ndim", ndim, 0)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                    raise ValueError(f"DGC state of {name!r} has {key} {value!r}, not an int "
+                                     f">= {low}")
             wire.check_numel(numel, name)
-            if bool(sparse) != (numel >= c.min_sparse_numel):
+            if bool(sparse) != is_sparse(numel, ndim, c):
                 raise ValueError(f"DGC state of {name!r} says sparse={sparse!r} for {numel} "
-                                 f"elements, but min_sparse_numel={c.min_sparse_numel}")
-            for key, tensor, wanted in (("u", u, c.momentum > 0), ("v", v, bool(sparse))):
-                if (tensor is not None) != wanted:
+                                 f"elements in {ndim} dimension(s), but min_sparse_numel="
+                                 f"{c.min_sparse_numel} and min_sparse_ndim={c.min_sparse_ndim}")
+            for key, tensor, wanted in (("u", u, c.momentum > 0), ("v", v, bool(sparse)),
+                                        ("wd", wd, None)):
+                if wanted is not None and (tensor is not None) != wanted:
                     raise ValueError(f"DGC state of {name!r}: {key} is "
                                      f"{'missing' if wanted else 'present but not expected'}")
                 if tensor is not None and B.numel(tensor) != numel:
                     raise ValueError(f"DGC state of {name!r}: {key} has {B.numel(tensor)} "
                                      f"elements, expected {numel}")
-            states[name] = TensorState(
-                name, numel, bool(sparse),
-                None if u is None else B.float32_flat(u), None if v is None else B.float32_flat(v))
+            flat = (lambda x: None if x is None else B.float32_flat(x))
+            states[name] = TensorState(name, numel, bool(sparse), flat(u), flat(v), ndim,
+                                       flat(wd))
         return states
 
     # ----------------------------------------------------------------- state
@@ -307,10 +399,11 @@ class DGCCore:
         st = self.states.get(name)
         if st is None:
             wire.check_numel(numel, name)
-            sparse = numel >= self.config.min_sparse_numel
+            ndim = self.B.ndim(grad)
+            sparse = is_sparse(numel, ndim, self.config)
             u = self.B.zeros(numel, like=grad) if self.config.momentum > 0 else None
             v = self.B.zeros(numel, like=grad) if sparse else None
-            st = self.states[name] = TensorState(name, numel, sparse, u, v)
+            st = self.states[name] = TensorState(name, numel, sparse, u, v, ndim)
         elif st.numel != numel:
             raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
                              f"created for {st.numel}")
@@ -370,14 +463,20 @@ class DGCCore:
             s.density = density
 
     # ----------------------------------------------------------------- compress / decompress
-    def compress(self, name, grad, world_size, param=None):
+    def compress(self, name, grad, world_size, param=None, average=True, clip_scale=None):
         """Accumulate a local gradient and produce what goes on the wire.
 
         Args:
             name (str): the tensor's name, identical on every rank.
             grad: gradient tensor of the backend, any shape, floating dtype.
             world_size (int): N, ranks taking part (for clipping).
-            param: the parameter (same shape), needed only with weight_decay > 0.
+            param: the parameter (same shape), needed only with weight_decay > 0 and
+                ``weight_decay_mode="accumulated"``.
+            average (bool): the reduction is Horovod's Average (True) or Sum (False): it sets
+                the local clipping threshold (:func:`~dgc_horovod.core.accumulate.clip_threshold`).
+            clip_scale (float or None): with ``clip_scope="global"`` and clip_norm set, this
+                rank's clipping factor of the step, from :meth:`clip_scale` over all of its
+                gradients of the step (required then); ignored otherwise.
         Returns:
             ("dense", flat float32 tensor to allreduce, None) for small tensors, or
             ("sparse", flat int32 payload to allgather, SparseContext).
@@ -387,9 +486,11 @@ class DGCCore:
             state is modified.
         """
         self._check_args(name, grad, param)
+        self._check_scale(clip_scale)
         t0 = time.perf_counter()
         with self._lock:
-            return self._compress_locked(name, grad, world_size, param, t0)
+            self._begin(name)
+            return self._compress_locked(name, grad, world_size, param, t0, average, clip_scale)
 
     def _usable_plan(self, st, g):
         """st's kernels.Plan when the fused path applies to it now, else False/None."""
@@ -400,7 +501,8 @@ class DGCCore:
             plan = self._plan(st, g)
         return plan
 
-    def _compress_locked(self, name, grad, world_size, param, t0):
+    def _compress_locked(self, name, grad, world_size, param, t0, average=True,
+                         clip_scale=None):
         """The body of :meth:`compress` (self._lock held)."""
         B, c = self.B, self.config
         st = self._state(name, grad)
@@ -408,7 +510,7 @@ class DGCCore:
         plan = self._usable_plan(st, g)
         # the gradient that is accumulated is the one checked for NaN/Inf (with weight decay a
         # NaN parameter must not reach the residual either)
-        g, scale = self._accumulated(g, param, world_size)
+        g, scale = self._accumulated(g, param, world_size, average, clip_scale)
         gp = B.kernel_ptr(g) if plan else None
         threads = B.kernel_threads() if gp is not None else 1
         if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
@@ -426,15 +528,85 @@ class DGCCore:
         idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
         return self._finish_ops(st, idx, t0)
 
-    def _accumulated(self, g, param, world_size):
+    def _accumulated(self, g, param, world_size, average=True, clip_scale=None):
         """(gradient, clipping scale still to apply) that momentum correction accumulates, from
-        the flat float32 gradient g: g with its local clipping factor (§3.2), or with weight
-        decay the new tensor scale·g + λ·param and 1.0."""
+        the flat float32 gradient g: g with its local clipping factor (§3.2: the step's global
+        factor ``clip_scale``, or with ``clip_scope="tensor"`` g's own), or with accumulated
+        weight decay the new tensor scale·g + λ·param and 1.0."""
         B, c = self.B, self.config
-        scale = clip_by_local_norm(B, g, c.clip_norm, world_size)
-        if c.weight_decay:
+        if c.clip_norm is None:
+            scale = 1.0
+        elif c.clip_scope == "tensor":
+            scale = clip_by_local_norm(B, g, c.clip_norm, world_size, average)
+        else:
+            scale = float(clip_scale)
+        if self.needs_param:
             return add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale), 1.0
         return g, scale
+
+    @property
+    def needs_param(self):
+        """True when compress needs each gradient's parameter (weight decay accumulated into the
+        gradient, ``weight_decay_mode="accumulated"``)."""
+        c = self.config
+        return bool(c.weight_decay) and c.weight_decay_mode == "accumulated"
+
+    @property
+    def needs_clip_scale(self):
+        """True when compress needs the step's ``clip_scale`` (clip_norm with global scope)."""
+        return self.config.clip_norm is not None and self.config.clip_scope == "global"
+
+    def _check_scale(self, clip_scale):
+        if not self.needs_clip_scale:
+            return
+        if clip_scale is None:
+            raise ValueError("DGC: clip_scope='global' needs the step's clipping factor: pass "
+                             "clip_scale=core.clip_scale(<all of this rank's gradients of the "
+                             "step>, world_size, average)")
+        if isinstance(clip_scale, bool) or not 0.0 <= float(clip_scale) <= 1.0:
+            raise ValueError(f"DGC: clip_scale must be a float in [0, 1], got {clip_scale!r}")
+
+    def clip_scale(self, grads, world_size, average=True):
+        """This rank's local clipping factor of the step (§3.2, ``clip_scope="global"``).
+
+        s = min(1, T / (‖G_k‖ + 1e-6)) with ‖G_k‖ the global L2 norm over ``grads`` (all of this
+        rank's gradients of the step, dense and sparsified, in a fixed order; tensors with
+        NaN/Inf left out, see :func:`~dgc_horovod.core.accumulate.global_norm`) and T the
+        threshold of :func:`~dgc_horovod.core.accumulate.clip_threshold` (C·√N under Average,
+        C/√N under Sum). On iid gradients this clips as often and as much as a dense
+        ``clip_grad_norm_(C)`` of the averaged gradient. 1.0 when clip_norm is None.
+        """
+        c = self.config
+        if c.clip_norm is None:
+            return 1.0
+        return clip_factor(global_norm(self.B, grads), clip_threshold(c.clip_norm, world_size,
+                                                                      average))
+
+    def apply_weight_decay(self, name, update, param):
+        """``weight_decay_mode="separate"``: add the weight decay term to the exchanged update of
+        ``name`` in place (:func:`~dgc_horovod.core.accumulate.weight_decay_momentum`: its own
+        momentum buffer b ← m·b + λ·w, update += b) and return it; a no-op otherwise, and for a
+        non-finite update (a step a loss scaler will skip leaves b untouched).
+
+        Args: name (str): a tensor compressed this step. update: flat float32 tensor (the
+            decompressed average, or the dense allreduce result). param: the parameter.
+        """
+        c = self.config
+        if not c.weight_decay or c.weight_decay_mode != "separate":
+            return update
+        B = self.B
+        if B.numel(param) != B.numel(update):
+            raise ValueError(f"DGC: the parameter of {name!r} has {B.numel(param)} elements, "
+                             f"its update {B.numel(update)}")
+        if not B.all_finite(update):
+            return update
+        w = B.float32_view(param)
+        with self._lock:
+            st = self.states[name]
+            if st.wd is None and c.momentum > 0:
+                st.wd = B.zeros(st.numel, like=update)
+            return weight_decay_momentum(B, update, st.wd, w, c.weight_decay, c.momentum,
+                                         c.nesterov)
 
     def _nonfinite(self, st, g, t0, drawn):
         """What compress returns for a gradient g with NaN/Inf (st's state is not touched): a
@@ -455,7 +627,7 @@ class DGCCore:
         self._count(st, 0, nbytes, True, time.perf_counter() - t0)
         return result
 
-    def compress_many(self, entries, world_size):
+    def compress_many(self, entries, world_size, average=True, clip_scale=None):
         """Compress several gradients at once (a bucket): the same results, state and random
         draws as ``[self.compress(name, grad, world_size, param) for name, grad, param in
         entries]``, but on the fused path one kernel call does every sparsified tensor's
@@ -466,7 +638,8 @@ class DGCCore:
         Args:
             entries: sequence of (name, grad, param) tuples (param None unless weight_decay > 0);
                 names must be distinct.
-            world_size (int): N, ranks taking part.
+            world_size (int): N, ranks taking part. average, clip_scale: as :meth:`compress`
+                (one clip_scale for the whole step).
         Returns:
             list of the :meth:`compress` results, in the order of ``entries``. The statistics'
             compress_seconds of the batched tensors is the batch's time shared by element count.
@@ -481,17 +654,20 @@ class DGCCore:
                 if name in seen:
                     raise ValueError(f"compress_many: the tensor {name!r} appears twice")
                 seen.add(name)
+        self._check_scale(clip_scale)
         if not self.use_kernels or len(entries) < 2:
             for name, grad, param in entries:
                 self._check_entry(name, grad, param)
-            return [self.compress(name, grad, world_size, param=param)
+            return [self.compress(name, grad, world_size, param, average, clip_scale)
                     for name, grad, param in entries]
         B, c = self.B, self.config
         t0 = time.perf_counter()
+        clip = (average, clip_scale)
         with self._lock:
+            self._begin(entries[0][0])
             states = self.states
             numel, grad_ptr = B.numel, B.kernel_grad_ptr
-            needs_param = bool(c.weight_decay)
+            needs_param = self.needs_param
             # the usual entry: a sparsified tensor with its fused plan and a float32 gradient in
             # host memory (kernel_grad_ptr: contiguous float32) of its size. Anything else is
             # checked in full below, before any state changes, and classified then.
@@ -527,28 +703,28 @@ class DGCCore:
             threads = B.kernel_threads()
             # (the batch kernel checks each gradient for NaN/Inf before it changes its state)
             if len(fused) == len(entries):
-                return self._compress_batch(entries, fused, world_size, threads, t0)
-            return self._compress_mixed(entries, fused, world_size, threads, t0)
+                return self._compress_batch(entries, fused, world_size, clip, threads, t0)
+            return self._compress_mixed(entries, fused, world_size, clip, threads, t0)
 
-    def _add_rows(self, batch, rows, world_size):
+    def _add_rows(self, batch, rows, world_size, clip):
         """Add the fused entries rows = [(entry, (st, plan, g, gp))] to batch (their plans at the
-        current density; clipping and weight decay applied)."""
+        current density; clipping (clip = (average, clip_scale)) and weight decay applied)."""
         B, c, density = self.B, self.config, self.density
-        simple = c.clip_norm is None and not c.weight_decay
+        simple = c.clip_norm is None and not self.needs_param
         add = batch.add
         for (_, _, param), (st, plan, g, gp) in rows:
             if density != plan.density:
                 plan.set_density(B, st.numel, c, density)
             scale = 1.0
             if not simple:
-                g, scale = self._accumulated(B.float32_view(g), param, world_size)
+                g, scale = self._accumulated(B.float32_view(g), param, world_size, *clip)
                 gp = B.kernel_ptr(g)
             add(st, plan, g, gp, scale)
 
-    def _compress_batch(self, entries, fused, world_size, threads, t0):
+    def _compress_batch(self, entries, fused, world_size, clip, threads, t0):
         """compress_many when every entry is in the batch (the usual bucket)."""
         batch = kernels.Batch(self, threads)
-        self._add_rows(batch, zip(entries, fused.values()), world_size)
+        self._add_rows(batch, zip(entries, fused.values()), world_size, clip)
         batch.run(like=batch.rows[0][0].v)
         seconds = time.perf_counter() - t0
         if batch.all_finished:
@@ -570,7 +746,7 @@ class DGCCore:
         self._count_rows([row for entry in counts for row in entry])
         return results
 
-    def _compress_mixed(self, entries, fused, world_size, threads, t0):
+    def _compress_mixed(self, entries, fused, world_size, clip, threads, t0):
         """compress_many when some entries run as in compress (dense, non-finite large, ...)."""
         results = [None] * len(entries)
         batch, rows = kernels.Batch(self, threads), []
@@ -584,12 +760,12 @@ class DGCCore:
                 if f is None:
                     batch.draw()                 # the batch rows' draws come first
                     t1 = time.perf_counter()
-                    results[i] = self._compress_locked(name, grad, world_size, param, t1)
+                    results[i] = self._compress_locked(name, grad, world_size, param, t1, *clip)
                     counts[i], self._deferred = self._deferred, []
                     t_other += time.perf_counter() - t1
                     continue
                 rows.append(i)
-                self._add_rows(batch, (((name, grad, param), f),), world_size)
+                self._add_rows(batch, (((name, grad, param), f),), world_size, clip)
             if rows:
                 batch.run(like=batch.rows[0][0].v)
                 self._batch_results(batch, rows, counts, results,
@@ -657,7 +833,7 @@ class DGCCore:
         if not self.B.is_floating(grad):
             raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
                             f"got dtype {getattr(grad, 'dtype', type(grad))}")
-        if self.config.weight_decay:
+        if self.needs_param:
             if param is None:
                 raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the "
                                  f"parameter of {name!r} (param=...), got None")

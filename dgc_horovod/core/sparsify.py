@@ -3,7 +3,7 @@ import math
 
 import numpy as np
 
-__all__ = ["k_for", "sample_count", "select_topk", "sample_positions", "MIN_SAMPLES",
+__all__ = ["is_sparse", "k_for", "sample_count", "select_topk", "sample_positions", "MIN_SAMPLES",
            "SAMPLE_OVERSHOOT"]
 
 #: Fewest entries sampled for the threshold estimate (below that the estimate is noise).
@@ -11,6 +11,15 @@ MIN_SAMPLES = 64
 #: The sampled threshold aims at this many times k candidates, so that usually count ≥ k and the
 #: exact top-k can be taken among the candidates.
 SAMPLE_OVERSHOOT = 1.25
+
+
+def is_sparse(numel, ndim, config):
+    """The one rule for which tensors are sparsified (top-k selected, residual kept): at least
+    ``config.min_sparse_numel`` elements and ``config.min_sparse_ndim`` dimensions. The others
+    (by default biases and normalisation scales, as in the authors' reference code, which
+    sparsifies only tensors with more than one dimension) go through the dense allreduce as
+    their momentum-corrected velocity."""
+    return numel >= config.min_sparse_numel and ndim >= config.min_sparse_ndim
 
 
 def k_for(numel, density):

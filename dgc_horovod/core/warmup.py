@@ -1,7 +1,10 @@
 """Warm-up training: the exponential sparsity schedule of DGC (Lin et al. 2018, §3.3)."""
 import math
 
-__all__ = ["density_at"]
+__all__ = ["density_at", "density_at_step", "STAGES"]
+
+#: Stages of the step-counted warm-up: the paper's four (75%, 93.75%, 98.4375%, 99.6%).
+STAGES = 4
 
 
 def density_at(epoch, final_density, warmup_epochs=4.0, initial_density=0.25, per_step=False):
@@ -42,3 +45,21 @@ def density_at(epoch, final_density, warmup_epochs=4.0, initial_density=0.25, pe
     if e >= warmup_epochs:
         return final_density
     return initial_density * (final_density / initial_density) ** (e / warmup_epochs)
+
+
+def density_at_step(step, final_density, warmup_steps=1000, initial_density=0.25,
+                    per_step=False):
+    """Density at optimizer step ``step`` (0-based) of a warm-up of ``warmup_steps`` steps.
+
+    The paper's schedule of §3.3 in :data:`STAGES` equal stages instead of epochs:
+    ``density_at(STAGES * step / warmup_steps, final, STAGES, initial, per_step)``, i.e. the
+    densities 0.25, 0.0629, 0.0158, 0.00398 for final 0.001, each for a quarter of the warm-up,
+    then ``final_density`` from step ``warmup_steps`` on (``per_step``: a smooth fall).
+    ``warmup_steps`` 0 disables the warm-up.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if warmup_steps <= 0:
+        return final_density
+    return density_at(STAGES * step / warmup_steps, final_density, float(STAGES),
+                      initial_density, per_step)

@@ -42,13 +42,15 @@ How it rides on stock Horovod (0.28.x, unmodified):
 import json
 import sys
 import warnings
+from contextlib import nullcontext as _nullcontext
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter
-from dgc_horovod.tensorflow.backend import TFBackend
+from dgc_horovod.core.sparsify import is_sparse
+from dgc_horovod.backends.tf_backend import TFBackend
 
 __all__ = ["DGC", "DGCWarmupCallback", "set_epoch"]
 
@@ -172,6 +174,7 @@ class DGC(DGCAdapter, Compressor):
         self._pending = {}      # state name -> SparseContext between compress and decompress
         self._checked_models = set()    # model signatures already compared across ranks
         self._warned_single = False
+        self._scale = None      # (grads list, graph, clip factor tensor) of the traced step
         if str(getattr(tf.keras, "__version__", "2")).startswith("3"):
             warnings.warn(_KERAS3_HINT)
 
@@ -227,20 +230,23 @@ class DGC(DGCAdapter, Compressor):
             raise ValueError(f"DGC needs a static shape for the gradient of {name!r}, got "
                              f"{tensor.shape}")
         core, pending = self._core, self._pending
-        sparse = numel >= self.config.min_sparse_numel
+        sparse = is_sparse(numel, len(tensor.shape), self.config)
         average = op is None or op == hvd.Average
+        scale = self._clip_scale(reduced[0], tensor, world, average)
 
-        def run_compress(grad, param):
-            kind, out, ctx = core.compress(name, grad, world, param=param)
+        def run_compress(grad, param, clip_scale):
+            kind, out, ctx = core.compress(name, grad, world, param, average,
+                                           float(clip_scale) if core.needs_clip_scale else None)
             if kind == "sparse":
                 pending[name] = ctx
             return tf.convert_to_tensor(out)
 
-        param = var if self.config.weight_decay else tf.zeros([0])
+        param = var if core.needs_param else tf.zeros([0])
         if not sparse:
-            velocity = tf.py_function(run_compress, [tensor, param], tf.float32)
-            return tf.cast(tf.reshape(velocity, tensor.shape), tensor.dtype), (None, tensor)
-        payload = tf.py_function(run_compress, [tensor, param], tf.int32)
+            velocity = tf.py_function(run_compress, [tensor, param, scale], tf.float32)
+            return (tf.cast(tf.reshape(velocity, tensor.shape), tensor.dtype),
+                    (None, tensor, name, var))
+        payload = tf.py_function(run_compress, [tensor, param, scale], tf.int32)
         payload.set_shape([None])
         gathered = hvd.allgather(payload, name="DGCAllgather_" + _op_name(name),
                                  process_set=process_set)
@@ -248,21 +254,58 @@ class DGC(DGCAdapter, Compressor):
         # the payload), not a constant: TensorFlow's graph optimizer folds a collective whose
         # input is constant, which would run it once instead of every step.
         placeholder = tf.cast(payload[2:3], tensor.dtype)
-        return placeholder, ((name, world, average, gathered), tensor)
+        return placeholder, ((name, world, average, gathered), tensor, name, var)
+
+    def _clip_scale(self, grads, tensor, world, average):
+        """Trace-time: the step's clipping factor (``DGCCore.clip_scale`` over all the gradients
+        Horovod reduces, in their order: one py_function per traced step, shared by every
+        tensor), or a constant 1 when global clipping is off."""
+        core = self._core
+        if not core.needs_clip_scale:
+            return tf.constant(1.0)
+        graph = getattr(tensor, "graph", None)
+        if self._scale is not None and self._scale[0] is grads and self._scale[1] is graph:
+            return self._scale[2]
+        dense = [g.values if isinstance(g, tf.IndexedSlices) else g
+                 for g in grads if g is not None]
+
+        def run_scale(*gs):
+            return tf.constant(core.clip_scale(list(gs), world, average), tf.float32)
+
+        # in the graph the gradients live in, not in the tf.cond branch Horovod traces each
+        # tensor's reduction in: every branch then captures the same one op
+        with graph.as_default() if graph is not None else _nullcontext():
+            scale = tf.py_function(run_scale, dense, tf.float32)
+        self._scale = (grads, graph, scale)
+        return scale
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):
-        """Trace-time: decode the allgathered payloads (dense update), or pass a dense result."""
-        info, original = ctx
-        if info is None:
-            return tensor
-        name, world, average, gathered = info
+        """Trace-time: decode the allgathered payloads (dense update), or pass a dense result;
+        with ``weight_decay_mode="separate"`` the weight decay term is added to either."""
+        info, original, name, var = ctx
         core, pending = self._core, self._pending
+        separate_wd = bool(self.config.weight_decay) and not core.needs_param
+        if info is None:
+            if not separate_wd:
+                return tensor
 
-        def run_decompress(g, _placeholder):
-            return tf.convert_to_tensor(core.decompress(g, pending.pop(name), world, average))
+            def run_wd(update, param):
+                flat = tf.Variable(tf.reshape(tf.cast(update, tf.float32), [-1]))
+                return tf.convert_to_tensor(core.apply_weight_decay(name, flat, param))
 
-        dense = tf.py_function(run_decompress, [gathered, tensor], tf.float32)
+            dense = tf.py_function(run_wd, [tensor, var], tf.float32)
+            return tf.cast(tf.reshape(dense, original.shape), original.dtype)
+        _, world, average, gathered = info
+
+        def run_decompress(g, _placeholder, param):
+            out = core.decompress(g, pending.pop(name), world, average)
+            if separate_wd:
+                out = core.apply_weight_decay(name, out, param)
+            return tf.convert_to_tensor(out)
+
+        param = var if separate_wd else tf.zeros([0])
+        dense = tf.py_function(run_decompress, [gathered, tensor, param], tf.float32)
         return tf.cast(tf.reshape(dense, original.shape), original.dtype)
 
 
@@ -286,7 +329,11 @@ def _op_name(name):
 
 
 def set_epoch(dgc, epoch):
-    """Custom training loops: set the warm-up position of ``dgc`` at the start of each epoch."""
+    """Custom training loops: ``dgc.set_epoch(epoch)``, at the start of each epoch.
+
+    It matters only with ``warmup_epochs`` set, where it drives the warm-up by epoch. By default
+    (``warmup_epochs=None``) DGC counts its own optimizer steps (``warmup_steps``) and the call
+    changes nothing (DGC warns once that it has no effect)."""
     dgc.set_epoch(epoch)
 
 
@@ -297,10 +344,15 @@ except ImportError:     # pragma: no cover - tf-keras is what horovod.tensorflow
 
 
 class DGCWarmupCallback(_keras_for_callback.callbacks.Callback):
-    """Keras callback: drive DGC's sparsity warm-up by epoch (the analogue of Horovod's
-    LearningRateWarmupCallback). ``on_epoch_begin(epoch)`` calls ``dgc.set_epoch(epoch)``, and
-    ``on_epoch_end`` adds ``dgc_density`` and ``dgc_ratio`` (this rank's wire compression over the
-    epoch) to the logs."""
+    """Keras callback: drive DGC's sparsity warm-up by epoch when ``warmup_epochs`` is set (the
+    analogue of Horovod's LearningRateWarmupCallback), and log DGC's per-epoch figures.
+
+    With ``warmup_epochs`` set, ``on_epoch_begin(epoch)`` calls ``dgc.set_epoch(epoch)``. By
+    default (``warmup_epochs=None``) DGC counts its own optimizer steps (``warmup_steps``) and
+    needs no callback; this one then leaves the warm-up alone (it does not call ``set_epoch``,
+    which would only warn that it has no effect). Either way ``on_epoch_end`` adds
+    ``dgc_density`` (the density in force) and ``dgc_ratio`` (this rank's wire compression over
+    the epoch) to the logs."""
 
     def __init__(self, dgc):
         super().__init__()
@@ -308,7 +360,8 @@ class DGCWarmupCallback(_keras_for_callback.callbacks.Callback):
         self._start = None
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.dgc.set_epoch(epoch)
+        if self.dgc.config.warmup_epochs is not None:
+            self.dgc.set_epoch(epoch)
         self._start = self.dgc.total_stats.copy()
 
     def on_epoch_end(self, epoch, logs=None):

@@ -4,12 +4,9 @@ Usage (the only change to a Horovod script)::
 
     import horovod.torch as hvd
     from dgc_horovod.torch import DGC
-    dgc = DGC(compress_ratio=0.001, momentum=0.9)
+    dgc = DGC(compress_ratio=0.001, momentum=0.9)       # warm-up: its own step count
     opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size())   # no momentum here: DGC has it
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=dgc)
-    for epoch in ...:
-        dgc.set_epoch(epoch)          # drives the sparsity warm-up
-        ...
 
 How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
 
@@ -37,8 +34,14 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   ``compress`` compresses the tensor at once and starts its own allgather, named
   ``dgc.<parameter name>``. ``decompress`` waits for the allgather, sums every rank's
   entries in rank order (bit-identical on every rank) and divides by the world size for
-  ``op=hvd.Average``. Tensors below ``min_sparse_numel`` are compressed at once and go through
-  Horovod's dense allreduce as their momentum-corrected velocity.
+  ``op=hvd.Average``. Tensors that are not sparsified (1-D by default) are compressed at once
+  and go through Horovod's dense allreduce as their momentum-corrected velocity.
+* **Global clipping** (``clip_norm`` with the default ``clip_scope="global"``): the rank's
+  clipping factor needs the norm over all of its gradients of the step, so every gradient,
+  dense ones included, is recorded until the step's last one arrives; then the factor is
+  computed, the buckets are compressed in plan order and allgathered, and the dense tensors are
+  allreduced by DGC itself (see :mod:`dgc_horovod.torch.exchange`). The cost: the exchange no
+  longer overlaps with backward. ``clip_scope="tensor"`` keeps the overlap.
 * **Horovod Elastic.** Pass the DGC object to ``hvd.elastic.TorchState(model, optimizer,
   dgc=dgc, ...)``: :mod:`dgc_horovod.torch.elastic` registers a state handler with Horovod, so
   ``state.commit()`` saves the compressor state with the model, a HorovodInternalError restores
@@ -49,9 +52,10 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   does nothing at all; DGC warns when it is created after ``hvd.init()`` in a 1-process job.
 * **Momentum.** DGC applies momentum itself (momentum correction); creating the wrapped optimizer
   with momentum > 0 as well would apply it twice, so DGC raises a ValueError at the first step
-  when both are > 0. Weight decay may stay in the wrapped optimizer (it is then added after the
-  exchange, outside momentum) or move into ``DGC(weight_decay=...)`` (added before momentum
-  correction, as in the paper's implementation).
+  when both are > 0. Weight decay belongs in ``DGC(weight_decay=...)`` (and 0 in the wrapped
+  optimizer): by default (``weight_decay_mode="separate"``, the authors' reference code) it is
+  added densely after the exchange through its own momentum buffer, as dense momentum SGD
+  would; in the wrapped optimizer it would be added after the exchange *without* momentum.
 """
 import logging
 import sys
@@ -65,7 +69,8 @@ from horovod.torch import mpi_ops as _mpi_ops
 from horovod.torch.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter
-from dgc_horovod.torch.backend import TorchBackend
+from dgc_horovod.core.sparsify import is_sparse
+from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch.exchange import Exchange
 
 __all__ = ["DGC"]
@@ -138,26 +143,31 @@ class _Pending:
     SparseContext) are filled in by the exchange, the latter when the bucket is compressed.
     """
 
-    __slots__ = ("handle", "core_ctx", "shape", "dtype", "world_size", "average")
+    __slots__ = ("handle", "core_ctx", "shape", "dtype", "world_size", "average", "name",
+                 "param", "dense")
 
-    def __init__(self, handle, core_ctx, shape, dtype, world_size, average):
+    def __init__(self, handle, core_ctx, shape, dtype, world_size, average, name=None,
+                 param=None, dense=False):
         self.handle, self.core_ctx, self.shape, self.dtype = handle, core_ctx, shape, dtype
         self.world_size, self.average = world_size, average
+        self.name, self.param, self.dense = name, param, dense
 
 
 class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod compressor (Lin et al., ICLR 2018).
 
     Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig` (compress_ratio=0.001,
-    momentum=0.9, nesterov=False, momentum_masking=True, clip_norm=None, weight_decay=0.0,
-    sample_ratio=0.01, exact_topk=False, min_sparse_numel=1, warmup_epochs=4,
+    momentum=0.9, nesterov=False, momentum_masking=True, clip_norm=None, clip_scope="global",
+    weight_decay=0.0, weight_decay_mode="separate", sample_ratio=0.01, exact_topk=False,
+    min_sparse_numel=1, min_sparse_ndim=2, warmup_steps=1000, warmup_epochs=None,
     warmup_initial_density=0.25, warmup_per_step=False, seed=0, wire_index="delta16",
     wire_values="float32", bucket_numel=2**22), or pass ``config=DGCConfig(...)``.
 
     Use one DGC object per DistributedOptimizer (a second optimizer is refused), created
-    identically on every rank. Keep a reference to it and call ``set_epoch(epoch)`` every epoch:
-    without it the warm-up never advances and DGC keeps sending ``warmup_initial_density``
-    (25%) of each gradient instead of ``compress_ratio``.
+    identically on every rank. The sparsity warm-up counts DGC's own optimizer steps
+    (``warmup_steps``, default 1000: set it to about 2.5% of your run); with
+    ``warmup_epochs=...`` it follows ``set_epoch(epoch)`` instead, which must then be called
+    every epoch (DGC warns when it never is).
 
     Checkpoint and resume: DGC state is per rank (each rank's residual v holds the part of its own
     gradients it has not sent yet), so each rank saves its own file, e.g.
@@ -223,35 +233,47 @@ class DGC(DGCAdapter, Compressor):
         world = process_set.size()
         average = opt.op == hvd.Average
         exchange = self._exchange
-        if exchange.bucketed and tensor.numel() >= self.config.min_sparse_numel:
+        param = p.detach()
+        sparse = is_sparse(tensor.numel(), tensor.dim(), self.config)
+        if (exchange.bucketed and sparse) or exchange.gated:
             # Deferring is safe: Horovod calls compress from the gradient hook once the gradient
             # is final (with backward_passes_per_step > 1 on the last pass, after accumulation;
             # with zero_grad(set_to_none=True) or False alike, the .grad it hands over is not
             # written again before synchronize(), which decompresses, and so compresses, it
             # first). The tensor (a to_dense() copy for sparse_as_dense) is kept in the launch.
-            self._core._check_entry(name, tensor)
-            ctx = _Pending(None, None, tensor.shape, tensor.dtype, world, average)
-            exchange.defer(opt, name, tensor, p.detach(), process_set, ctx)
+            # Gated (global clipping): dense tensors wait for the step's last gradient too.
+            self._core._check_entry(name, tensor, param)
+            ctx = _Pending(None, None, tensor.shape, tensor.dtype, world, average, name, param,
+                           dense=not sparse)
+            if sparse:
+                exchange.defer(opt, name, tensor, param, process_set, ctx)
+            else:
+                exchange.defer_dense(opt, name, tensor, param, process_set, ctx)
             return tensor.new_zeros(1, dtype=torch.float32), ctx
-        kind, out, core_ctx = self._core.compress(name, tensor, world, param=p.detach())
+        kind, out, core_ctx = self._core.compress(name, tensor, world, param, average)
         # Both go through Horovod's allreduce as float32 (what the statistics count), whatever
         # the gradient's dtype: Horovod's torch collectives have no bfloat16, and a float16
         # placeholder would make the counted wire bytes wrong. decompress casts back.
         if kind == "dense":
-            return out.view(tensor.shape), (tensor.shape, tensor.dtype)
+            return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)
         ticket = exchange.send(name, out, process_set)
-        ctx = _Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average)
+        ctx = _Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param)
         return tensor.new_zeros(1, dtype=torch.float32), ctx
 
     def decompress(self, tensor, ctx):
         """Return the averaged (or summed) gradient for Horovod to set as ``p.grad``."""
         if ctx is None:                       # Horovod's sparse (two-allgather) path
             return tensor
-        if not isinstance(ctx, _Pending):     # small tensor: Horovod's allreduce already reduced
-            shape, dtype = ctx
-            return tensor.view(shape).to(dtype)
+        core = self._core
+        if not isinstance(ctx, _Pending):     # dense tensor: Horovod's allreduce already reduced
+            shape, dtype, name, param = ctx
+            return core.apply_weight_decay(name, tensor.view(-1), param).view(shape).to(dtype)
         gathered, ranks = self._exchange.receive(ctx.handle, ctx.world_size)
-        dense = self._core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks)
+        if ctx.dense:                         # gated: reduced by DGC's own allreduce
+            dense = gathered.view(-1)
+        else:
+            dense = core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks)
+        dense = core.apply_weight_decay(ctx.name, dense, ctx.param)
         return dense.view(ctx.shape).to(ctx.dtype)
 
     # Horovod Elastic --------------------------------------------------------------------------
@@ -261,7 +283,7 @@ class DGC(DGCAdapter, Compressor):
         The rule: every tensor's velocity u and residual v are dropped (they restart at zero at
         the next step), and so are the bucket plans, the first-step checks (model consistency
         across ranks, momentum) and any exchange still pending; the world size N (clipping
-        threshold ``clip_norm * N**-0.5``, averaging) is read again at the next step. Config,
+        threshold, averaging) is read again at the next step. Config,
         warm-up epoch, sampling generator and statistics are kept.
 
         DGC applies it by itself at the first ``sync`` or step after Horovod was re-initialized
@@ -314,7 +336,7 @@ class DGC(DGCAdapter, Compressor):
     def _elastic_sync(self):
         """Collective: apply the reset rule if Horovod was re-initialized, check that every rank
         has the same config (ValueError on every rank, naming the settings, otherwise) and take
-        rank 0's warm-up epoch and sampling generator."""
+        rank 0's warm-up position (epoch and step count) and sampling generator."""
         from horovod.torch.functions import allgather_object, broadcast_object
         self._follow_horovod()
         mine = self._core.state_dict()
@@ -327,10 +349,12 @@ class DGC(DGCAdapter, Compressor):
                                    f"rank {rank}" for k in differ)
                 raise ValueError(f"DGC: the ranks' DGC configs differ ({detail}); create DGC "
                                  "with the same settings on every rank")
-        root = broadcast_object({"epoch": mine["epoch"], "generator": mine["generator"]},
+        root = broadcast_object({"epoch": mine["epoch"], "steps": mine["steps"],
+                                 "generator": mine["generator"]},
                                 root_rank=0, name="dgc.elastic.sync")
         if hvd.rank() != 0:
-            mine["epoch"], mine["generator"] = root["epoch"], root["generator"]
+            mine["epoch"], mine["steps"] = root["epoch"], root["steps"]
+            mine["generator"] = root["generator"]
             self._core.load_state_dict(mine)
 
     def _check(self, opt, p, name):

@@ -21,7 +21,7 @@ state types), so ``TorchState`` treats a DGC keyword like a model or an optimize
   bit for bit; pending exchanges are dropped.
 * ``sync()`` (collective, after a reset and at the start): the ranks compare their DGC configs
   (a ValueError on every rank, naming the settings, if they differ) and every rank takes rank
-  0's warm-up epoch and sampling generator.
+  0's warm-up position (epoch, step count) and sampling generator.
 
 **The reset rule.** At every reset (``hvd.elastic.run`` re-initializes Horovod when a worker
 leaves or joins, or after a HorovodInternalError) every rank drops its velocities and residuals,

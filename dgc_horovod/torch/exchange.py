@@ -10,7 +10,17 @@ gradients are compressed in one ``DGCCore.compress_many`` call, in member order,
 bucket's allgather (named ``dgc.bucket.<first member's name>``) starts, overlapping with the
 rest of backward. A bucket still incomplete when Horovod synchronizes (a parameter without a
 compressed gradient this step) is compressed and started then.
-The framing is :func:`dgc_horovod.core.wire.frame_bucket`. When the plan is made (the first
+The plan is :func:`dgc_horovod.core.buckets.plan_buckets`; the framing is
+:func:`dgc_horovod.core.wire.frame_bucket`.
+
+Global clipping (``clip_norm`` with ``clip_scope="global"``, the paper's rule) needs the norm over
+all of a rank's gradients of the step before any of them is accumulated. The exchange is then
+*gated*: every gradient of the step, dense ones included, is recorded; when the last one
+arrives (or at synchronize), the rank's clipping factor is computed over all of them in plan
+order (``DGCCore.clip_scale``), the buckets are compressed in plan order and allgathered, and
+the dense tensors' velocities go out by DGC's own ``hvd.allreduce_async`` (Horovod's allreduce
+then carries a 1-element placeholder for them too). The cost: no bucket starts before backward
+ends, so exchange no longer overlaps with backward. When the plan is made (the first
 step), the ranks compare their trainable parameters once and raise a ValueError naming the first
 difference, instead of hanging on collectives that never match.
 """
@@ -20,7 +30,8 @@ import threading
 import horovod.torch as hvd
 import torch
 
-from dgc_horovod.core import wire
+from dgc_horovod.core import PLACEHOLDER_BYTES, wire
+from dgc_horovod.core.buckets import plan_buckets
 
 __all__ = ["Exchange"]
 
@@ -33,11 +44,22 @@ class _Launch:
     ``error`` what compressing or starting it raised, if it failed.
     """
 
-    __slots__ = ("entries", "world_size", "handle", "parts", "error")
+    __slots__ = ("entries", "world_size", "average", "handle", "parts", "error")
 
     def __init__(self):
-        self.entries, self.world_size = {}, None
+        self.entries, self.world_size, self.average = {}, None, True
         self.handle = self.parts = self.error = None
+
+
+class _Gate:
+    """One step's gradients in gated mode (global clipping): ``arrived`` names; ``dense`` the
+    dense tensors' (name, grad, param, pending) until the step is launched; ``launched``."""
+
+    __slots__ = ("arrived", "dense", "launched", "process_set", "average", "opt")
+
+    def __init__(self):
+        self.arrived, self.dense, self.launched = {}, [], False
+        self.process_set, self.average, self.opt = None, True, None
 
 
 class _Bucket:
@@ -93,14 +115,17 @@ class Exchange:
 
     def __init__(self, core, bucket_numel):
         self._core, self._bucket_numel = core, bucket_numel
-        self._plans = {}                 # id(optimizer) -> (optimizer, {name: (bucket, member)})
+        self._plans = {}     # id(optimizer) -> (optimizer, {name: (bucket, member)}, [names])
         self._lock = threading.Lock()
         self._outstanding = 0            # tensors sent or deferred whose result was not received
+        self.gated = core.needs_clip_scale
+        self._gate = _Gate()
 
     @property
     def bucketed(self):
-        """True when sparsified tensors travel in buckets (bucket_numel > 0)."""
-        return self._bucket_numel > 0
+        """True when sparsified tensors travel in buckets (bucket_numel > 0, or gated: with
+        bucket_numel 0 every tensor is then a bucket of its own)."""
+        return self._bucket_numel > 0 or self.gated
 
     def busy(self):
         """True between a tensor's send (or defer) and its receive (a step in progress)."""
@@ -112,17 +137,14 @@ class Exchange:
             params = [p for group in opt.param_groups for p in group["params"]
                       if p.requires_grad][::-1]
             _check_same_model(opt, params)
-            sparse_from = self._core.config.min_sparse_numel
-            plan, members, size, expected = {}, [], 0, 0
-            for i, p in enumerate(params):
-                members.append(opt._parameter_names[p])
-                size += p.numel()
-                expected += int(p.numel() >= sparse_from)
-                if size >= self._bucket_numel or i == len(params) - 1:
-                    bucket = _Bucket("dgc.bucket." + members[0], members, expected)
-                    plan.update({n: (bucket, m) for m, n in enumerate(members)})
-                    members, size, expected = [], 0, 0
-            entry = self._plans[id(opt)] = (opt, plan)
+            names = [opt._parameter_names[p] for p in params]
+            plan = {}
+            for members, sparse in plan_buckets([(n, p.numel(), p.dim())
+                                                 for n, p in zip(names, params)],
+                                                self._bucket_numel, self._core.config):
+                bucket = _Bucket("dgc.bucket." + members[0], members, sum(sparse))
+                plan.update({n: (bucket, m) for m, n in enumerate(members)})
+            entry = self._plans[id(opt)] = (opt, plan, names)
         return entry[1]
 
     def send(self, name, payload, process_set):
@@ -147,28 +169,77 @@ class Exchange:
             previous = launch.entries.get(member)
             pendings = (previous[3] if previous is not None else []) + [pending]
             launch.entries[member] = (name, grad, param, pendings)
-            launch.world_size = process_set.size()
-            if len(launch.entries) >= bucket.expected:
+            launch.world_size, launch.average = process_set.size(), pending.average
+            if self.gated:
+                self._arrive(opt, name, grad, process_set, pending.average)
+            elif len(launch.entries) >= bucket.expected:
                 self._start(bucket, process_set)
 
-    def _start(self, bucket, process_set):
+    def defer_dense(self, opt, name, grad, param, process_set, pending):
+        """Gated mode: record a dense (not sparsified) gradient; it is compressed with the step's
+        clipping factor and allreduced by DGC when the step is launched. ``pending.handle``
+        becomes the ticket for :meth:`receive`."""
+        self._plan(opt)
+        with self._lock:
+            self._outstanding += 1
+            gate = self._gate
+            pending.handle = ("dense", gate, pending)
+            gate.dense.append((name, grad, param, pending))
+            self._arrive(opt, name, grad, process_set, pending.average)
+
+    def _arrive(self, opt, name, grad, process_set, average):
+        """Gated mode (lock held): count ``name``'s gradient in the step; launch the step when
+        every trainable parameter's gradient has arrived."""
+        gate = self._gate
+        gate.arrived[name] = grad
+        gate.process_set, gate.average, gate.opt = process_set, average, opt
+        if len(gate.arrived) >= len(self._plans[id(opt)][2]):
+            self._launch_step()
+
+    def _launch_step(self):
+        """Gated mode (lock held): the rank's clipping factor over all of the step's gradients
+        (in plan order), then every bucket in plan order and the dense tensors."""
+        gate, self._gate = self._gate, _Gate()
+        gate.launched = True
+        opt, plan, names = self._plans[id(gate.opt)]
+        core, ps = self._core, gate.process_set
+        world = ps.size()
+        grads = [gate.arrived[n] for n in names if n in gate.arrived]
+        scale = core.clip_scale(grads, world, gate.average)
+        started = set()
+        for n in names:
+            bucket = plan[n][0]
+            if id(bucket) not in started:
+                started.add(id(bucket))
+                if bucket.current.entries:
+                    self._start(bucket, ps, scale)
+        op = hvd.Average if gate.average else hvd.Sum
+        for name, grad, param, pending in gate.dense:
+            kind, out, _ = core.compress(name, grad, world, param, gate.average, scale)
+            pending.core_ctx = hvd.allreduce_async(out, name="dgc.dense." + name, op=op,
+                                                   process_set=ps)
+        # Horovod's own allreduce carried a placeholder for each of them too
+        core.add_wire_bytes(PLACEHOLDER_BYTES * len(gate.dense))
+        gate.dense = None
+
+    def _start(self, bucket, process_set, clip_scale=None):
         """Compress the bucket's current launch, frame its payloads and start its allgather.
 
         Runs under the lock: a concurrent defer or receive of the same bucket waits for it.
         """
         launch, bucket.current = bucket.current, _Launch()
         try:
-            self._compress_and_send(bucket, launch, process_set)
+            self._compress_and_send(bucket, launch, process_set, clip_scale)
         except BaseException as e:
             launch.error = e        # the other members' receive raises it too (the same type:
             raise                   # e.g. HorovodInternalError for hvd.elastic)
 
-    def _compress_and_send(self, bucket, launch, process_set):
+    def _compress_and_send(self, bucket, launch, process_set, clip_scale):
         members = sorted(launch.entries)
         entries = [launch.entries[m] for m in members]
         launch.entries = None                              # the gradients are not needed now
         results = self._core.compress_many([(n, g, p) for n, g, p, _ in entries],
-                                           launch.world_size)
+                                           launch.world_size, launch.average, clip_scale)
         payloads = []
         for (kind, payload, core_ctx), (name, _, _, pendings) in zip(results, entries):
             if kind != "sparse":
@@ -194,9 +265,19 @@ class Exchange:
             with self._lock:
                 self._outstanding -= 1
             return hvd.synchronize(ticket), world_size
+        if ticket[0] == "dense":                            # gated: DGC's own allreduce
+            _, gate, pending = ticket
+            with self._lock:
+                self._outstanding -= 1
+                if not gate.launched:
+                    self._launch_step()
+            return hvd.synchronize(pending.core_ctx), world_size
         bucket, member, launch, process_set = ticket
         with self._lock:
             self._outstanding -= 1
+            if self.gated and launch.handle is None and launch.error is None \
+                    and self._gate.arrived:
+                self._launch_step()                         # incomplete step at synchronize
             if launch.handle is None:                       # incomplete at synchronize time
                 if launch.error is not None:               # compressing or sending it failed
                     raise launch.error

@@ -32,7 +32,7 @@ LR = 0.05
 N_FIRST, N_TOTAL = 6, 12
 STEPS_PER_EPOCH = 4
 DGC_KW = dict(compress_ratio=0.01, momentum=0.9, warmup_epochs=2, warmup_initial_density=0.25,
-              min_sparse_numel=1)
+              min_sparse_numel=1, min_sparse_ndim=1)
 
 
 class Net(torch.nn.Module):

@@ -17,7 +17,7 @@ What every process records (DIR/<host>.<local rank>.json, written when it finish
 * fresh: at the first step of every world (start, and after the reset) the DGC state was empty
   before the step, so afterwards every tensor must hold exactly u = v = s·g outside the sent
   positions and 0 at them (momentum correction from zero, momentum factor masking), with g the
-  local gradient and s the local clipping factor min(1, clip·N^-1/2 / (|g| + 1e-6)) of the
+  local gradient and s the local clipping factor min(1, clip·N^(1/2) / (|g| + 1e-6)) (op=Average) of the
   current world size N (NumPy transcription of §3.1–3.2). It also records whether the values
   would fit the previous N instead (they must not: the clipping follows the new N).
 * failed: the step whose collective failed, with DGC's total step count then (the failed step
@@ -44,8 +44,10 @@ from dgc_horovod.torch import DGC
 
 STEPS, EXIT_STEP, RESTORE_STEP = 10, 6, 3
 CLIP = 1e-3
+# per-tensor clipping keeps the exchange overlapping with backward, so a failing step has
+# compressed (and must be restored) before its collectives fail
 DGC_KW = dict(compress_ratio=0.05, momentum=0.9, warmup_epochs=0, clip_norm=CLIP,
-              min_sparse_numel=16, bucket_numel=600)
+              clip_scope="tensor", min_sparse_numel=16, min_sparse_ndim=1, bucket_numel=600)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -108,8 +110,8 @@ def check_fresh(local, world, previous_world):
         else:
             v, kept = u, np.ones_like(u, dtype=bool)        # dense: u = s·g, nothing cleared
 
-        def fits(n):
-            s = min(1.0, CLIP * n ** -0.5 / (np.linalg.norm(g) + 1e-6))
+        def fits(n):        # local clipping under op=Average: ||g|| <= CLIP * sqrt(N)
+            s = min(1.0, CLIP * n ** 0.5 / (np.linalg.norm(g) + 1e-6))
             return bool(np.allclose(v[kept], s * g[kept], rtol=1e-5, atol=1e-12))
 
         out["tensors"] += 1

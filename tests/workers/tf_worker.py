@@ -100,7 +100,8 @@ def scenario_equivalence(results):
                           dict(momentum=0.9, nesterov=True)),
              "masking_equals_plain_sgd": (dict(momentum_masking=True), dict(momentum=0.0))}
     for name, (dgc_kw, sgd_kw) in cases.items():
-        dgc = DGC(compress_ratio=1.0, momentum=0.9, warmup_epochs=0, min_sparse_numel=1, **dgc_kw)
+        dgc = DGC(compress_ratio=1.0, momentum=0.9, warmup_epochs=0, min_sparse_numel=1,
+                  min_sparse_ndim=1, **dgc_kw)
         m_dgc, m_ref = make_model(), make_model()
         train_tape(m_dgc, dgc, steps=8)
         train_tape(m_ref, hvd.Compression.none, steps=8, **sgd_kw)
@@ -140,6 +141,57 @@ def scenario_nonfinite(results):
                             "identical": identical(model)}
 
 
+def train_reference(model, steps, transform, momentum=0.0):
+    """Dense reference: each rank's gradients go through ``transform(grads, variables)`` (the
+    paper's local rule, transcribed), then Horovod's dense average, then SGD."""
+    opt = tf.keras.optimizers.SGD(LR, momentum=momentum)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    for i, (x, y) in enumerate(batches(steps, 100 + hvd.rank())):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                y, model(x), from_logits=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        grads = transform(grads, model.trainable_variables)
+        grads = [hvd.allreduce(g, name=f"ref.{j}") for j, g in enumerate(grads)]
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def scenario_semantics(results):
+    """Global local clipping (threshold C·√N under Average, one factor over all of a rank's
+    gradients) and separate weight decay, at density 1, against dense transcriptions."""
+    out, C, n = {}, 0.3, hvd.size()
+
+    def clip_global(grads, variables):
+        norm = float(tf.linalg.global_norm(grads))
+        s = min(1.0, C * n ** 0.5 / (norm + 1e-6))
+        return [g * s for g in grads]
+
+    scales = []
+
+    def clip_spy(grads, variables):
+        norm = float(tf.linalg.global_norm(grads))
+        scales.append(min(1.0, C * n ** 0.5 / (norm + 1e-6)))
+        return clip_global(grads, variables)
+
+    dgc = DGC(compress_ratio=1.0, momentum=0.0, momentum_masking=False, clip_norm=C,
+              warmup_steps=0, min_sparse_ndim=1)
+    m_dgc, m_ref = make_model(), make_model()
+    train_tape(m_dgc, dgc, steps=8)
+    train_reference(m_ref, 8, clip_spy)
+    out["clip_global"] = float(tf.reduce_max(tf.abs(flat(m_dgc) - flat(m_ref))))
+    out["clipped_steps"] = sum(s < 1 for s in scales)
+    wd, m = 0.01, 0.9
+    dgc = DGC(compress_ratio=1.0, momentum=m, momentum_masking=False, weight_decay=wd,
+              warmup_steps=0)
+    m_dgc, m_ref = make_model(), make_model()
+    train_tape(m_dgc, dgc, steps=8)
+    train_reference(m_ref, 8, lambda gs, vs: [g + wd * v for g, v in zip(gs, vs)], momentum=m)
+    out["weight_decay_separate"] = float(tf.reduce_max(tf.abs(flat(m_dgc) - flat(m_ref))))
+    out["sparse"] = states_info(dgc)["sparse"]
+    out["wd_buffers"] = sorted(k for k, s in dgc.states.items() if s.wd is not None)
+    results["semantics"] = out
+
+
 def scenario_keras_fit(results):
     dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=2, min_sparse_numel=1024)
     model = make_model()
@@ -173,7 +225,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenarios", default="identical,equivalence,indexed_slices,nonfinite,"
-                    "keras_fit,keras_momentum_twice", help="comma-separated scenario names")
+                    "keras_fit,keras_momentum_twice,semantics",
+                    help="comma-separated scenario names")
     args = ap.parse_args()
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)

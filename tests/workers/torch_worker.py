@@ -88,6 +88,7 @@ def scenario_identical(results, prefix_base):
     for name, kw in variants.items():
         dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0,
                   min_sparse_numel=1 if name in ("all_sparse", "small_buckets") else 1024,
+                  min_sparse_ndim=1,
                   bucket_numel={"per_tensor_allgather": 0, "small_buckets": 1500}.get(name, 2**22))
         opt_kw = {}
         if name == "backward_passes_2":
@@ -133,19 +134,19 @@ def scenario_compress_many(results, prefix_base):
     out, params = {}, {}
     for name, (bucket_numel, min_sparse, exact) in variants.items():
         dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, exact_topk=exact,
-                  min_sparse_numel=min_sparse, bucket_numel=bucket_numel)
+                  min_sparse_numel=min_sparse, min_sparse_ndim=1, bucket_numel=bucket_numel)
         model, opt = make(f"{prefix_base}.{name}", dgc)
         core, where, calls, direct, inside = dgc._core, ["backward"], [], [], [False]
         step_no = [0]
         many, single = core.compress_many, core.compress
 
-        def compress_many(entries, world_size):
+        def compress_many(entries, world_size, *args):
             entries = list(entries)
             calls.append({"step": step_no[0], "where": where[0],
                           "names": [_short(n) for n, _, _ in entries]})
             inside[0] = True
             try:
-                return many(entries, world_size)
+                return many(entries, world_size, *args)
             finally:
                 inside[0] = False
 
@@ -190,7 +191,8 @@ def scenario_equivalence(results, prefix_base):
         "masking_equals_plain_sgd": (dict(momentum_masking=True), dict(momentum=0.0)),
     }
     for name, (dgc_kw, sgd_kw) in cases.items():
-        dgc = DGC(compress_ratio=1.0, momentum=0.9, warmup_epochs=0, min_sparse_numel=1, **dgc_kw)
+        dgc = DGC(compress_ratio=1.0, momentum=0.9, warmup_epochs=0, min_sparse_numel=1,
+                  min_sparse_ndim=1, **dgc_kw)
         m_dgc, o_dgc = make(f"{prefix_base}.{name}.dgc", dgc)
         m_ref, o_ref = make(f"{prefix_base}.{name}.ref", hvd.Compression.none, **sgd_kw)
         train(m_dgc, o_dgc, steps=8, aux_every=1)

@@ -20,6 +20,7 @@ class TFBackend(Backend):
     name = "tensorflow"
 
     def numel(self, x): return int(tf.size(x))
+    def ndim(self, x): return len(x.shape)
 
     def zeros(self, n, like=None):
         return tf.Variable(tf.zeros([n], tf.float32), trainable=False)
