@@ -1,0 +1,189 @@
+"""A simulated cluster: N DGC workers in one process, for convergence studies (PyTorch).
+
+Each simulated worker owns a :class:`~dgc_horovod.core.DGCCore` (its residuals, velocities,
+sampling generator, statistics) and makes, per step, the same core calls as the PyTorch adapter
+under ``horovodrun`` (:mod:`dgc_horovod.torch`, :mod:`dgc_horovod.torch.exchange`):
+
+1. its local gradients (the caller's backward on the worker's own batch);
+2. with ``clip_norm`` and ``clip_scope="global"``: ``core.clip_scale`` over all of them, in plan
+   order;
+3. every bucket of :func:`~dgc_horovod.core.buckets.plan_buckets`, in plan order:
+   ``core.compress_many`` of its sparsified members, framed by ``wire.frame_bucket``; every
+   dense member: ``core.compress`` (its momentum-corrected velocity);
+4. the exchange: a bucket's frames concatenated in rank order (what Horovod's allgather
+   returns), split by ``wire.split_bucket`` and decoded by each worker's ``core.decompress``
+   (sum in rank order, divided by N for Average); dense velocities summed in rank order and
+   divided by N (Horovod's Average);
+5. ``core.apply_weight_decay`` (``weight_decay_mode="separate"``), then ``p.grad`` is set to the
+   result and the caller runs the wrapped optimizer's step.
+
+The parameters are one replica (every worker would hold the same bits); only the DGC state is
+per worker. So N workers cost N backward passes and N compressions per step, about what one
+dense run with an N times larger batch costs. With N = 2 this reproduces a real
+``horovodrun -np 2`` job bit for bit (tests/test_simulate.py) when the model has no per-rank
+buffers (batch-norm statistics would be per rank there) and both run with one intra-op thread.
+Dense training (``config=None``) averages the raw gradients the same way.
+"""
+import torch
+
+from dgc_horovod.core import PLACEHOLDER_BYTES, DGCConfig, DGCCore, wire
+from dgc_horovod.core.buckets import plan_buckets
+from dgc_horovod.backends.torch_backend import TorchBackend
+
+__all__ = ["SimulatedCluster"]
+
+
+class SimulatedCluster:
+    """N simulated data-parallel workers around one model and its (wrapped) optimizer.
+
+    Args:
+        model (torch.nn.Module): the replica; its parameter names are Horovod's
+            (``named_parameters``).
+        optimizer (torch.optim.Optimizer): the optimizer ``hvd.DistributedOptimizer`` would wrap
+            (no momentum when DGC has momentum > 0); its param_groups give the plan order.
+        world_size (int): N >= 1.
+        config (DGCConfig or None): DGC's settings; None trains dense (Horovod's plain average).
+        average (bool): ``op=hvd.Average`` (True) or ``op=hvd.Sum``.
+
+    Use::
+
+        cluster = SimulatedCluster(model, opt, 4, DGCConfig(compress_ratio=0.001))
+        for step in ...:
+            losses = cluster.backward([lambda k=k: loss_fn(model, batch_of_worker(k))
+                                       for k in range(4)])
+            opt.step()
+    """
+
+    def __init__(self, model, optimizer, world_size, config=None, average=True):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if config is not None and not isinstance(config, DGCConfig):
+            raise TypeError(f"config must be a DGCConfig or None, got {type(config).__name__}")
+        names = {p: n for n, p in model.named_parameters()}
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        missing = [p for p in params if p not in names]
+        if missing:
+            raise ValueError(f"{len(missing)} of the optimizer's parameters are not parameters of "
+                             "the model")
+        self.params = [(names[p], p) for p in params[::-1]]          # plan order
+        self.world_size, self.config, self.average = world_size, config, average
+        self.B = TorchBackend()
+        self.cores = [] if config is None else [DGCCore(config, self.B)
+                                                for _ in range(world_size)]
+        if config is not None:
+            self.buckets = plan_buckets([(n, p.numel(), p.dim()) for n, p in self.params],
+                                        config.bucket_numel, config)
+        else:
+            self.buckets = []
+
+    # ------------------------------------------------------------------ one step
+    def backward(self, closures):
+        """Run each worker's closure (it returns the loss of that worker's batch), backward it,
+        and reduce the gradients as Horovod + DGC would; ``p.grad`` then holds the reduced
+        gradient of every parameter. Returns the list of losses (floats)."""
+        if len(closures) != self.world_size:
+            raise ValueError(f"one closure per worker: got {len(closures)} for "
+                             f"{self.world_size} workers")
+        grads, losses = [], []
+        for closure in closures:
+            for _, p in self.params:
+                p.grad = None
+            loss = closure()
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads.append({n: (p.grad.detach() if p.grad is not None else torch.zeros_like(p))
+                          for n, p in self.params})
+        self.reduce(grads)
+        return losses
+
+    def reduce(self, grads):
+        """Set ``p.grad`` of every parameter from the workers' gradients ``grads`` (a list of
+        N dicts {name: gradient}) through DGC (or the dense average without a config)."""
+        if self.config is None:
+            for name, p in self.params:
+                p.grad = self._dense_reduce([g[name] for g in grads]).view_as(p)
+            return
+        out = self._dgc_reduce(grads)
+        for name, p in self.params:
+            p.grad = out[name].view(p.shape).to(p.dtype)
+
+    def _dense_reduce(self, tensors):
+        """Horovod's allreduce: the sum in rank order, then / N for Average."""
+        acc = tensors[0].detach().reshape(-1).to(torch.float32, copy=True)
+        for t in tensors[1:]:
+            acc += t.reshape(-1)
+        if self.average and self.world_size > 1:
+            acc.mul_(1.0 / self.world_size)
+        return acc
+
+    def _dgc_reduce(self, grads):
+        N, B, avg, cores = self.world_size, self.B, self.average, self.cores
+        byname = dict(self.params)
+        needs_param = cores[0].needs_param
+        # 1-3: every worker compresses, as its adapter would
+        segments, contexts, dense = [], [], []
+        for core, g in zip(cores, grads):
+            scale = (core.clip_scale([g[n] for n, _ in self.params], N, avg)
+                     if core.needs_clip_scale else None)
+            segs, ctxs, dense_k = [], {}, {}
+            for members, flags in self.buckets:
+                sparse = [(m, n) for m, (n, s) in enumerate(zip(members, flags)) if s]
+                for n, s in zip(members, flags):
+                    if not s:
+                        kind, v, _ = core.compress(n, g[n], N, byname[n].detach(), avg, scale)
+                        dense_k[n] = v
+                if not sparse:
+                    segs.append(None)
+                    continue
+                results = core.compress_many(
+                    [(n, g[n], byname[n].detach() if needs_param else None) for _, n in sparse],
+                    N, avg, scale)
+                payloads = [r[1] for r in results]
+                ctxs.update({n: r[2] for (_, n), r in zip(sparse, results)})
+                segs.append(wire.frame_bucket(B, [(m, pay) for (m, _), pay in
+                                                  zip(sparse, payloads)], like=payloads[0]))
+                core.add_wire_bytes(4 * len(sparse) + wire.BUCKET_HEADER_BYTES)
+            if core.needs_clip_scale:       # the adapter's gated exchange: one placeholder each
+                core.add_wire_bytes(PLACEHOLDER_BYTES * len(dense_k))
+            segments.append(segs)
+            contexts.append(ctxs)
+            dense.append(dense_k)
+        # 4-5: the exchange, decoded by every worker (each restores its own residual on a
+        # non-finite step and keeps its own weight decay buffer)
+        out = {}
+        for b, (members, flags) in enumerate(self.buckets):
+            if segments[0][b] is None:
+                continue
+            gathered = B.cat([segments[k][b] for k in range(N)])
+            for k, core in enumerate(cores):
+                parts = wire.split_bucket(B, gathered, N, len(members), "dgc.bucket." + members[0])
+                for m, (n, s) in enumerate(zip(members, flags)):
+                    if not s:
+                        continue
+                    got = parts[m]
+                    res = core.decompress(B.cat(got) if got else got, contexts[k][n], N, avg,
+                                          len(got))
+                    res = core.apply_weight_decay(n, res, byname[n].detach())
+                    if k == 0:
+                        out[n] = res
+        for n in dense[0]:
+            reduced = self._dense_reduce([d[n] for d in dense])
+            for k, core in enumerate(cores):
+                res = reduced if k == 0 else reduced.clone()
+                res = core.apply_weight_decay(n, res, byname[n].detach())
+                if k == 0:
+                    out[n] = res
+        return out
+
+    # ------------------------------------------------------------------ reporting
+    def wire_ratio(self):
+        """Dense bytes / wire bytes sent, over every worker since the start (0.0 before any
+        step, or without DGC)."""
+        wire_bytes = sum(c.total_stats.wire_bytes for c in self.cores)
+        dense = sum(c.total_stats.dense_bytes for c in self.cores)
+        return dense / wire_bytes if wire_bytes else 0.0
+
+    @property
+    def density(self):
+        """The density in force (worker 0's; every worker has the same), 1.0 without DGC."""
+        return self.cores[0].density if self.cores else 1.0
