@@ -9,7 +9,8 @@ import time
 
 from dgc_horovod.summary import EventWriter, write_stats
 
-__all__ = ["parse_args", "dgc_options", "log", "warn_if_single", "Report"]
+__all__ = ["parse_args", "resolve_warmup_steps", "dgc_options", "lr_at", "log",
+           "warn_if_single", "Progress", "Report"]
 
 
 def parse_args(description):
@@ -20,8 +21,14 @@ def parse_args(description):
                    help="gradient compression used by Horovod")
     p.add_argument("--compress-ratio", type=float, default=0.001,
                    help="DGC: fraction of each gradient sent per step after warm-up")
-    p.add_argument("--warmup-epochs", type=float, default=4,
-                   help="DGC: epochs of exponential sparsity warm-up (75%% -> final sparsity)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="warm-up length in optimizer steps; default (None): one epoch's worth "
+                        "of steps (this rank's batches per epoch), as the DGC paper warms up "
+                        "over its first epoch(s). It sets DGC's exponential sparsity warm-up "
+                        "(four equal stages at density 25%% -> 6.3%% -> 1.6%% -> 0.4%%, then "
+                        "--compress-ratio) and, for every --compression alike, the linear "
+                        "learning-rate warm-up from lr/ranks to lr (Goyal et al.; Horovod's "
+                        "LearningRateWarmupCallback). 0: no warm-up")
     p.add_argument("--min-sparse-numel", type=int, default=None,
                    help="DGC: tensors with fewer elements use the dense allreduce "
                         "(default: the library's)")
@@ -43,16 +50,37 @@ def parse_args(description):
     args = p.parse_args()
     if args.epochs < 1:
         p.error("--epochs must be >= 1")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
     return args
 
 
-def dgc_options(args):
-    """Keyword arguments of DGC(...) from the command line."""
+def resolve_warmup_steps(args, steps_per_epoch):
+    """The warm-up length in steps: --warmup-steps, or by default one epoch's worth of steps
+    (``steps_per_epoch``, this rank's batches per epoch)."""
+    return int(steps_per_epoch) if args.warmup_steps is None else args.warmup_steps
+
+
+def dgc_options(args, steps_per_epoch):
+    """Keyword arguments of DGC(...) from the command line; ``steps_per_epoch`` (this rank's
+    batches per epoch) gives the default warm-up length."""
     kw = dict(compress_ratio=args.compress_ratio, momentum=args.momentum,
-              warmup_epochs=args.warmup_epochs)
+              warmup_steps=resolve_warmup_steps(args, steps_per_epoch))
     if args.min_sparse_numel is not None:
         kw["min_sparse_numel"] = args.min_sparse_numel
     return kw
+
+
+def lr_at(step, lr, size, warmup_steps):
+    """Learning rate of optimizer step ``step`` (0-based): linear from ``lr / size`` at step 0 to
+    ``lr`` at step ``warmup_steps``, then ``lr`` (Goyal et al. 2017; Horovod's
+    LearningRateWarmupCallback, per batch). ``lr`` is the already scaled rate (--lr times the
+    number of ranks). The examples apply it with every compression alike, so that dense and DGC
+    runs share the schedule; it also gives DGC's sparsity warm-up (§3.3) the less aggressive
+    start the paper pairs it with."""
+    if warmup_steps <= 0 or step >= warmup_steps or size <= 1:
+        return lr
+    return lr / size * (1.0 + step * (size - 1) / warmup_steps)
 
 
 def log(msg):
@@ -73,6 +101,40 @@ def warn_if_single(size, compression):
     return size == 1
 
 
+class Progress:
+    """Rank 0's progress within one epoch (``enabled=False`` on the other ranks).
+
+    On a terminal, a tqdm bar. Otherwise (under horovodrun stdout is always a pipe, where a
+    carriage-return bar arrives as one long line of fragments) one plain line at most every
+    ``interval`` seconds, "epoch 3/10  step 40/63  loss 0.1234"; the per-epoch line is the
+    Report's.
+    """
+
+    def __init__(self, epoch, epochs, steps, enabled=True, interval=10.0):
+        self.desc = f"epoch {epoch + 1}/{epochs}"
+        self.steps, self.enabled, self.interval = steps, enabled, interval
+        self.n, self.bar = 0, None
+        if enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=steps, desc=self.desc, leave=False, file=sys.stdout,
+                            mininterval=1.0)
+        self._next = time.time() + interval
+
+    def update(self, loss):
+        """One step done; ``loss``: the epoch's running mean training loss."""
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self.bar.update(1)
+        elif self.enabled and time.time() >= self._next:
+            log(f"{self.desc}  step {self.n}/{self.steps}  loss {loss:.4f}")
+            self._next = time.time() + self.interval
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _fmt_ratio(r):
     return "n/a" if r is None else f"{r:.1f}x"
 
@@ -82,11 +144,14 @@ class Report:
     writes).
 
     The wire compression of an epoch is, for DGC, this rank's dense fp32 bytes over the bytes it
-    sent that epoch (CompressionStats); for none / fp16, 4 / 4 or 4 / 2 bytes per element.
+    sent that epoch (CompressionStats); for none / fp16, 4 / 4 or 4 / 2 bytes per element. "After
+    warm-up" counts from the first epoch start at which DGC has run ``warmup_steps`` steps
+    (``dgc.total_stats.steps``).
     """
 
-    def __init__(self, args, dgc, rank0, size, lr):
+    def __init__(self, args, dgc, rank0, size, lr, warmup_steps):
         self.args, self.dgc, self.rank0, self.size, self.lr = args, dgc, rank0, size, lr
+        self.warmup_steps = warmup_steps
         self.dense_ratio = None if size == 1 else 4 / (2 if args.compression == "fp16" else 4)
         self.history, self.after_warmup, self._snapshot = [], None, None
         self.t_start = time.time()
@@ -101,12 +166,15 @@ class Report:
             log(f"Horovod: {self.size} ranks; data: {source}, {n_train} train / {n_test} test; "
                 f"model: {n_params:,} parameters (fc1 {n_fc1:,}); compression: {a.compression}"
                 + (f" {self.dgc!r}" if self.dgc else "")
-                + f"; lr {self.lr:g}, batch {a.batch_size}/rank")
+                + f"; lr {self.lr:g}"
+                + (f" (warm-up from {self.lr / self.size:g} over {self.warmup_steps} steps)"
+                   if self.warmup_steps and self.size > 1 else "")
+                + f", batch {a.batch_size}/rank")
 
     def begin_epoch(self, epoch):
         if self.dgc is not None:
             self._snapshot = self.dgc.total_stats.copy()
-            if self.after_warmup is None and epoch >= self.args.warmup_epochs:
+            if self.after_warmup is None and self._snapshot.steps >= self.warmup_steps:
                 self.after_warmup = self._snapshot
 
     def end_epoch(self, epoch, train_loss, test_accuracy):
@@ -148,16 +216,16 @@ class Report:
             return
         log(f"final test accuracy: {last['test_accuracy']:.2f}%")
         log(f"wire compression after warm-up: {_fmt_ratio(post)}"
-            + ("" if dgc is None else f" (epochs >= {a.warmup_epochs:g}, rank 0's bytes)"))
+            + ("" if dgc is None else f" (steps >= {self.warmup_steps}, rank 0's bytes)"))
         log(f"wall time: {seconds:.1f} s")
         if a.json_out:
             result = {"test_accuracy": last["test_accuracy"], "final_loss": last["train_loss"],
                       "compression_ratio_after_warmup": post, "epochs": a.epochs,
                       "seed": a.seed, "compression": a.compression, "seconds": seconds,
                       "ranks": self.size, "lr": self.lr, "batch_size": a.batch_size,
-                      "history": self.history}
+                      "warmup_steps": self.warmup_steps, "history": self.history}
             if dgc is not None:
-                result.update(compress_ratio=a.compress_ratio, warmup_epochs=a.warmup_epochs,
+                result.update(compress_ratio=a.compress_ratio,
                               dgc_total_stats=dgc.total_stats.to_dict())
             with open(a.json_out, "w") as f:
                 json.dump(result, f, indent=2)

@@ -1,7 +1,10 @@
 """Train a small CNN on MNIST with Horovod, with Deep Gradient Compression (DGC) as the compressor.
 
 This is an ordinary Horovod PyTorch script; the only DGC-specific lines are the ``DGC(...)``
-compressor, the plain (momentum-free) SGD it wraps, and ``dgc.set_epoch(epoch)``.
+compressor and the plain (momentum-free) SGD it wraps. DGC counts its own optimizer steps for its
+sparsity warm-up (``--warmup-steps``, by default one epoch's worth), so the loop needs no
+``set_epoch``. The learning rate warms up linearly from lr/ranks to lr over the same steps, with
+every ``--compression`` alike (``common.lr_at``).
 
 Run on two local processes with Gloo (``--gloo``) or MPI (``--mpi``; a plain ``horovodrun``
 picks MPI when Horovod was built with it, Gloo otherwise)::
@@ -21,21 +24,17 @@ The model's parameters are dominated by one fully connected layer (3136x256, 94%
 ~858k parameters), which is where DGC's top-k sparsification pays off: after the warm-up each
 rank sends ~0.1% of each large gradient (index + value pairs) instead of the dense tensor.
 """
-import sys
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.data
 import torch.utils.data.distributed
-from tqdm import tqdm
-
 import horovod.torch as hvd
 
 from dgc_horovod.torch import DGC
-from common import Report, dgc_options, parse_args, warn_if_single
+from common import (Progress, Report, dgc_options, lr_at, parse_args,
+                    resolve_warmup_steps, warn_if_single)
 from mnist_data import MNIST_MEAN, MNIST_STD, load_mnist
-
 
 
 def to_dataset(x, y):
@@ -90,10 +89,12 @@ def main():
     model = Net()
     params = list(model.parameters())
     lr = args.lr * hvd.size()
+    steps_per_epoch = len(train_loader)
+    warmup_steps = resolve_warmup_steps(args, steps_per_epoch)
     single = warn_if_single(hvd.size(), args.compression)
     dgc = None
     if args.compression == "dgc" and not single:
-        dgc = DGC(**dgc_options(args))
+        dgc = DGC(**dgc_options(args, steps_per_epoch))
         compression = dgc
         optimizer = torch.optim.SGD(params, lr=lr, momentum=0.0)  # DGC applies the momentum
     else:
@@ -105,27 +106,28 @@ def main():
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression)
 
-    report = Report(args, dgc, hvd.rank() == 0, hvd.size(), lr)
+    report = Report(args, dgc, hvd.rank() == 0, hvd.size(), lr, warmup_steps)
     report.header(source, len(train_set), len(test_set), sum(p.numel() for p in params),
                   model.fc1.weight.numel())
+    step = 0
     for epoch in range(args.epochs):
-        if dgc is not None:
-            dgc.set_epoch(epoch)                     # drives DGC's sparsity warm-up
         report.begin_epoch(epoch)
         train_sampler.set_epoch(epoch)
         model.train()
         loss_sum, n_batches = 0.0, 0
-        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=hvd.rank() != 0,
-                   leave=False, file=sys.stdout, mininterval=1.0)
-        for data, target in bar:
+        progress = Progress(epoch, args.epochs, steps_per_epoch, enabled=hvd.rank() == 0)
+        for data, target in train_loader:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(data), target)
             loss.backward()
+            for group in optimizer.param_groups:     # learning-rate warm-up, every compression
+                group["lr"] = lr_at(step, lr, hvd.size(), warmup_steps)
             optimizer.step()
+            step += 1
             loss_sum += loss.item()
             n_batches += 1
-            bar.set_postfix(loss=f"{loss_sum / n_batches:.4f}", refresh=False)
-        bar.close()
+            progress.update(loss_sum / n_batches)
+        progress.close()
         # Mean training loss over all ranks' batches of this epoch.
         totals = hvd.allreduce(torch.tensor([loss_sum, float(n_batches)], dtype=torch.float64),
                                op=hvd.Sum, name=f"train_loss.{epoch}")

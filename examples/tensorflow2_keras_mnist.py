@@ -2,9 +2,12 @@
 Compression (DGC) as the compressor of ``hvd.DistributedOptimizer``.
 
 The Keras counterpart of ``pytorch_mnist.py`` and ``tensorflow2_mnist.py`` (same flags, data,
-model and output). The only DGC-specific lines are the ``DGC(...)`` compressor, the momentum-free
-SGD it wraps (DGC applies the momentum itself) and the ``DGCWarmupCallback(dgc)``, which sets the
-warm-up epoch and logs ``dgc_density`` / ``dgc_ratio``.
+model and output). The only DGC-specific lines are the ``DGC(...)`` compressor and the
+momentum-free SGD it wraps (DGC applies the momentum itself). DGC counts its own optimizer steps
+for its sparsity warm-up (``--warmup-steps``, by default one epoch's worth), so no callback drives
+it: ``dgc_horovod.tensorflow.DGCWarmupCallback`` is needed only with ``warmup_epochs`` set. The
+learning rate warms up linearly from lr/ranks to lr over the same steps, with every
+``--compression`` alike (``LearningRateWarmup`` below, per batch, ``common.lr_at``).
 
 Needs tf-keras (``TF_USE_LEGACY_KERAS=1``; Keras 3 breaks ``horovod.tensorflow.keras``; the script
 sets it when unset). Run on two local processes with Gloo (``--gloo``) or MPI (``--mpi``)::
@@ -21,41 +24,61 @@ padded to a multiple of the number of ranks so that all ranks run the same numbe
 rank::size), reshuffled by Keras every epoch; every rank evaluates the whole test set.
 """
 import os
-import sys
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # before TensorFlow is imported
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np                                  # noqa: E402
 import tensorflow as tf                             # noqa: E402
-from tqdm import tqdm                               # noqa: E402
 
 import horovod.tensorflow.keras as hvd              # noqa: E402
 
-from dgc_horovod.tensorflow import DGC, DGCWarmupCallback  # noqa: E402
-from common import Report, dgc_options, parse_args, warn_if_single  # noqa: E402
+from dgc_horovod.tensorflow import DGC              # noqa: E402
+from common import (Progress, Report, dgc_options, lr_at, parse_args,  # noqa: E402
+                    resolve_warmup_steps, warn_if_single)
 from mnist_data import load_mnist, normalize, shard_indices   # noqa: E402
 from tf_model import make_model                              # noqa: E402
 
 
 class ProgressBar(tf.keras.callbacks.Callback):
-    """A tqdm bar per epoch (rank 0 only), like the other examples."""
+    """common.Progress per epoch (rank 0 only), like the other examples: a tqdm bar on a
+    terminal, otherwise a plain line at most every ~10 s."""
 
     def __init__(self, epochs, steps):
         super().__init__()
-        self.epochs, self.steps, self.bar = epochs, steps, None
+        self.epochs, self.steps, self.progress = epochs, steps, None
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.bar = tqdm(total=self.steps, desc=f"epoch {epoch + 1}/{self.epochs}", leave=False,
-                        file=sys.stdout, mininterval=1.0)
+        self.progress = Progress(epoch, self.epochs, self.steps)
 
     def on_train_batch_end(self, batch, logs=None):
-        if logs and "loss" in logs:
-            self.bar.set_postfix(loss=f"{float(logs['loss']):.4f}", refresh=False)
-        self.bar.update(1)
+        # Keras's logged loss is the epoch's running mean, as in the other examples.
+        self.progress.update(float(logs["loss"]) if logs and "loss" in logs else float("nan"))
 
     def on_epoch_end(self, epoch, logs=None):
-        self.bar.close()
+        self.progress.close()
+
+
+class LearningRateWarmup(tf.keras.callbacks.Callback):
+    """Per-batch learning-rate warm-up: ``common.lr_at`` (linear from lr/ranks to lr over
+    ``warmup_steps`` optimizer steps), the schedule of the other examples.
+
+    Horovod's ``hvd.callbacks.LearningRateWarmupCallback`` computes nearly the same rate, but is
+    one step ahead (its multiplier adds 1/steps_per_epoch), ends the warm-up only at an epoch
+    boundary, rescales the momentum as the rate changes (momentum_correction, on by default)
+    and, like MetricAverageCallback, binds Keras 3's backend next to TensorFlow >= 2.16."""
+
+    def __init__(self, lr, size, warmup_steps):
+        super().__init__()
+        self.lr, self.size, self.warmup_steps, self.step = lr, size, warmup_steps, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.step <= self.warmup_steps:      # afterwards it stays at lr
+            self.model.optimizer.learning_rate.assign(
+                lr_at(self.step, self.lr, self.size, self.warmup_steps))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
 
 
 class EpochReport(tf.keras.callbacks.Callback):
@@ -102,10 +125,12 @@ def main():
 
     model = make_model()
     lr = args.lr * size
+    steps_per_epoch = -(-len(shard) // args.batch_size)     # this rank's batches per epoch
+    warmup_steps = resolve_warmup_steps(args, steps_per_epoch)
     single = warn_if_single(size, args.compression)
     dgc = None
     if args.compression == "dgc" and not single:
-        dgc = DGC(**dgc_options(args))
+        dgc = DGC(**dgc_options(args, steps_per_epoch))
         compression = dgc
         sgd = tf.keras.optimizers.SGD(lr, momentum=0.0)       # DGC applies the momentum
     else:
@@ -116,7 +141,7 @@ def main():
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
 
-    report = Report(args, dgc, rank == 0, size, lr)
+    report = Report(args, dgc, rank == 0, size, lr, warmup_steps)
     report.header(source, n_train, len(x_test),
                   sum(int(np.prod(v.shape)) for v in model.trainable_variables),
                   int(np.prod(model.get_layer("fc1").kernel.shape)))
@@ -125,13 +150,11 @@ def main():
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
         # Average the epoch's logged metrics (loss, accuracy, val_*) over the ranks.
         metric_average_callback(),
+        # Learning-rate warm-up, every compression alike.
+        LearningRateWarmup(lr, size, warmup_steps),
     ]
-    if dgc is not None:
-        # After MetricAverageCallback, so that dgc_ratio stays rank 0's own (as in the other
-        # examples) instead of being averaged.
-        callbacks.append(DGCWarmupCallback(dgc))
     if rank == 0:   # before the report, so that the bar is closed when the epoch line is printed
-        callbacks.append(ProgressBar(args.epochs, -(-len(shard) // args.batch_size)))
+        callbacks.append(ProgressBar(args.epochs, steps_per_epoch))
     callbacks.append(EpochReport(report))
 
     model.fit(x_shard, y_shard, batch_size=args.batch_size, epochs=args.epochs, shuffle=True,

