@@ -148,32 +148,41 @@ class SimulatedCluster:
             segments.append(segs)
             contexts.append(ctxs)
             dense.append(dense_k)
-        # 4-5: the exchange, decoded by every worker (each restores its own residual on a
-        # non-finite step and keeps its own weight decay buffer)
+        # 4-5: the exchange. Every worker would decode the same payloads to the same bits, and
+        # decompress changes a worker's state only on a non-finite step (it puts back what the
+        # worker sent), so worker 0 decodes and the others decode only then. Each worker keeps
+        # its own weight decay buffer.
         out = {}
+        wd = bool(self.config.weight_decay) and not needs_param
         for b, (members, flags) in enumerate(self.buckets):
             if segments[0][b] is None:
                 continue
             gathered = B.cat([segments[k][b] for k in range(N)])
-            for k, core in enumerate(cores):
-                parts = wire.split_bucket(B, gathered, N, len(members), "dgc.bucket." + members[0])
-                for m, (n, s) in enumerate(zip(members, flags)):
-                    if not s:
-                        continue
-                    got = parts[m]
-                    res = core.decompress(B.cat(got) if got else got, contexts[k][n], N, avg,
-                                          len(got))
-                    res = core.apply_weight_decay(n, res, byname[n].detach())
-                    if k == 0:
-                        out[n] = res
+            parts = wire.split_bucket(B, gathered, N, len(members), "dgc.bucket." + members[0])
+            for m, (n, s) in enumerate(zip(members, flags)):
+                if not s:
+                    continue
+                got = parts[m]
+                got = (B.cat(got) if got else got), len(got)
+                res = cores[0].decompress(got[0], contexts[0][n], N, avg, got[1])
+                if not B.all_finite(res):
+                    for k in range(1, N):
+                        cores[k].decompress(got[0], contexts[k][n], N, avg, got[1])
+                out[n] = self._weight_decay(n, res, byname[n], wd)
         for n in dense[0]:
-            reduced = self._dense_reduce([d[n] for d in dense])
-            for k, core in enumerate(cores):
-                res = reduced if k == 0 else reduced.clone()
-                res = core.apply_weight_decay(n, res, byname[n].detach())
-                if k == 0:
-                    out[n] = res
+            out[n] = self._weight_decay(n, self._dense_reduce([d[n] for d in dense]),
+                                        byname[n], wd)
         return out
+
+    def _weight_decay(self, name, update, param, wd):
+        """core.apply_weight_decay on every worker (each has its own buffer); worker 0's
+        result."""
+        if not wd:
+            return update
+        w = param.detach()
+        for core in self.cores[1:]:
+            core.apply_weight_decay(name, update.clone(), w)
+        return self.cores[0].apply_weight_decay(name, update, w)
 
     # ------------------------------------------------------------------ reporting
     def wire_ratio(self):

@@ -100,3 +100,27 @@ def test_bad_arguments_are_named():
     other = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="not parameters of the model"):
         SimulatedCluster(m, torch.optim.SGD(other.parameters(), lr=0.1), 2)
+
+
+def test_a_nonfinite_worker_is_skipped_by_all_and_nothing_is_lost(one_thread):
+    model, cluster = simulated(dict(CONFIGS["buckets"], clip_norm=None))
+    a, b = cluster.cores
+    name = "0.weight"
+    ua, va = a.states[name].u.clone(), a.states[name].v.clone()
+    ub, vb = b.states[name].u.clone(), b.states[name].v.clone()
+    grads = []
+    for k in range(2):
+        model.zero_grad()
+        W.loss_of(model, k, 99).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    grads[1][name][0, 0] = float("nan")
+    cluster.reduce(grads)
+    p = dict(model.named_parameters())[name]
+    assert torch.isnan(p.grad).all()                            # every rank sees NaN
+    assert torch.isfinite(dict(model.named_parameters())["2.weight"].grad).all()
+    assert torch.equal(b.states[name].u, ub) and torch.equal(b.states[name].v, vb)  # skipped
+    m = 0.9
+    g = grads[0][name].reshape(-1)
+    u = ua * m + g                                              # worker 0 accumulated, sent,
+    torch.testing.assert_close(a.states[name].u, u)             # and got it all back
+    torch.testing.assert_close(a.states[name].v, va + g + m * u)   # Nesterov: v += g + m·u
