@@ -26,7 +26,7 @@ def run(request, tmp_path_factory):
 
 @pytest.mark.parametrize("variant", ["set_to_none", "zero_grad_false", "backward_passes_2",
                                      "groups_2", "all_sparse", "per_tensor_allgather",
-                                     "small_buckets"])
+                                     "small_buckets", "global_clip"])
 def test_parameters_bit_identical_after_20_steps(run, variant):
     r = run[0]["identical"][variant]
     assert r["identical"], "ranks diverged"

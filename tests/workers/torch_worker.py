@@ -83,15 +83,19 @@ def scenario_identical(results, prefix_base):
         "all_sparse": dict(),
         "per_tensor_allgather": dict(),
         "small_buckets": dict(),
+        # global clipping: the gated exchange, with aux's gradient missing on odd steps (it
+        # arrives at synchronize) and two backward passes per step
+        "global_clip": dict(bpps=2),
     }
     out = {}
     for name, kw in variants.items():
-        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0,
+        extra = dict(clip_norm=0.05) if name == "global_clip" else {}
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, **extra,
                   min_sparse_numel=1 if name in ("all_sparse", "small_buckets") else 1024,
                   min_sparse_ndim=1,
                   bucket_numel={"per_tensor_allgather": 0, "small_buckets": 1500}.get(name, 2**22))
         opt_kw = {}
-        if name == "backward_passes_2":
+        if name in ("backward_passes_2", "global_clip"):
             opt_kw["backward_passes_per_step"] = 2
         if name == "groups_2":
             opt_kw["groups"] = 2
