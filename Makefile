@@ -73,11 +73,13 @@ docker:
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t dgc_horovod:cpu .
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile.gpu -t dgc_horovod:gpu .
 
-## ablation: the paper's ablation on real data (MNIST, Shakespeare LSTM LM; 2 and 4 ranks; 6 variants
-## from dense to full DGC; 3 seeds) -> docs/ablation.{md,png,json}; ~45 min on 2 cores. ARGS=--quick: ~2 min
-.PHONY: ablation
-ablation: install
-	TF_USE_LEGACY_KERAS=1 python benchmarks/ablation.py $(ARGS)
+## convergence: does DGC at 99.9% sparsity train as well as dense SGD? MNIST CNN and Shakespeare LSTM
+## LM on a simulated cluster (dgc_horovod/simulate.py), N = 4 and 16 workers, 3 seeds: dense vs full DGC,
+## the ablation ladder and two side studies -> docs/convergence.{md,png}, raw JSON in runs/convergence/.
+## About 60 min on one core (ARGS=--jobs 2: two at a time). ARGS=--quick: the CI smoke run, < 2 min.
+.PHONY: convergence
+convergence: install
+	python benchmarks/convergence.py $(ARGS)
 
 ## docs: regenerate docs/api.md from the docstrings and the DGC pipeline figure docs/dgc_pipeline.png
 .PHONY: docs

