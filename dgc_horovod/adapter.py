@@ -3,9 +3,61 @@
 Framework-free: each adapter subclasses :class:`DGCAdapter`, names its Horovod module in ``_hvd``
 and adds Horovod's ``compress`` / ``decompress`` for its framework.
 """
+import functools
+
 from dgc_horovod.core import DGCConfig, DGCCore
 
-__all__ = ["DGCAdapter"]
+__all__ = ["DGCAdapter", "DGCFactory"]
+
+_RIGHT_LINE = ("create the compressor and keep it: dgc = {name}(compress_ratio=0.001, ...); "
+               "hvd.DistributedOptimizer(..., compression=dgc)")
+
+
+class _InstanceOnly:
+    """``compress`` / ``decompress`` looked up on the DGC class itself, i.e. Horovod was given
+    ``compression=DGC`` (the class, as one writes ``Compression.fp16``): called that way they
+    raise a TypeError that shows the right line, instead of "missing 1 required positional
+    argument"."""
+
+    def __init__(self, func):
+        self.func = func
+        functools.update_wrapper(self, func)
+
+    def __get__(self, obj, objtype=None):
+        if obj is not None:
+            return self.func.__get__(obj, objtype)
+        func = self.func
+
+        @functools.wraps(func)
+        def unbound(*args, **kwargs):
+            if args and isinstance(args[0], objtype):       # DGC.compress(dgc, tensor)
+                return func(*args, **kwargs)
+            raise TypeError(f"compression={objtype.__name__} passes the class, not a compressor: "
+                            + _RIGHT_LINE.format(name=objtype.__name__))
+        return unbound
+
+
+class DGCFactory:
+    """``Compression.dgc``: calling it makes a new DGC compressor (``Compression.dgc(**kwargs)``
+    is ``DGC(**kwargs)``); passed to Horovod uncalled (``compression=Compression.dgc``, as one
+    writes ``Compression.fp16``), its ``compress`` raises a TypeError that shows the right line."""
+
+    def __init__(self, cls):
+        self._cls = cls
+        self.__doc__ = f"A new :class:`{cls.__name__}` compressor: ``{cls.__name__}(config=config, **kwargs)``."
+
+    def __call__(self, config=None, **kwargs):
+        return self._cls(config=config, **kwargs)
+
+    def compress(self, *args, **kwargs):
+        raise TypeError("compression=Compression.dgc passes the factory, not a compressor: "
+                        "call it and keep the object: dgc = Compression.dgc(compress_ratio=0.001, "
+                        "...); hvd.DistributedOptimizer(..., compression=dgc)")
+
+    decompress = compress
+
+    def __repr__(self):
+        return f"Compression.dgc (makes {self._cls.__module__}.{self._cls.__name__})"
 
 
 class DGCAdapter:
@@ -21,6 +73,12 @@ class DGCAdapter:
     """
 
     _hvd = None          # the adapter's Horovod module (horovod.torch / horovod.tensorflow)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in ("compress", "decompress"):
+            if name in cls.__dict__:
+                setattr(cls, name, _InstanceOnly(cls.__dict__[name]))
 
     def __init__(self, config, backend, **kwargs):
         if config is not None and kwargs:

@@ -39,3 +39,12 @@ def test_keras3_gets_a_warning_with_the_fix():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True)
     assert "TF_USE_LEGACY_KERAS=1" in proc.stderr and "Keras 3" in proc.stderr
+
+
+def test_uncalled_factory_or_class_shows_the_right_line():
+    from dgc_horovod.tensorflow import Compression
+    with pytest.raises(TypeError, match=r"dgc = Compression\.dgc\("):
+        Compression.dgc.compress(tf.zeros([3]))
+    with pytest.raises(TypeError, match=r"dgc = DGC\("):
+        DGC.compress(tf.zeros([3]))
+    assert isinstance(Compression.dgc(compress_ratio=0.01), DGC)

@@ -12,6 +12,8 @@ from dgc_horovod.torch import DGC
     (dict(sample_ratio=2.0), "sample_ratio"), (dict(momentum=1.0), "momentum"),
     (dict(momentum=-0.1), "momentum"), (dict(clip_norm=-1.0), "clip_norm"),
     (dict(min_sparse_numel=0), "min_sparse_numel"), (dict(warmup_epochs=-1), "warmup_epochs"),
+    (dict(warmup_steps=-1), "warmup_steps"), (dict(min_sparse_ndim=0), "min_sparse_ndim"),
+    (dict(clip_scope="layer"), "clip_scope"), (dict(weight_decay_mode="x"), "weight_decay_mode"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, arg):
     with pytest.raises(ValueError, match=arg):
@@ -49,3 +51,17 @@ def test_boolean_options_refuse_strings(arg):
 def test_set_epoch_refuses_strings():
     with pytest.raises(TypeError, match="epoch"):
         DGC().set_epoch("1")
+
+
+@pytest.mark.parametrize("uncalled, right_line", [("factory", "dgc = Compression.dgc("),
+                                                  ("class", "dgc = DGC(")])
+def test_uncalled_factory_or_class_shows_the_right_line(uncalled, right_line):
+    from dgc_horovod.torch import Compression
+    obj = Compression.dgc if uncalled == "factory" else DGC
+    for method in (obj.compress, obj.decompress):
+        with pytest.raises(TypeError, match=right_line.replace("(", r"\(")):
+            method(torch.zeros(3))
+    made = Compression.dgc(compress_ratio=0.01)            # called, it makes a DGC
+    assert isinstance(made, DGC) and made.config.compress_ratio == 0.01
+    with pytest.raises(RuntimeError, match="DistributedOptimizer"):
+        DGC.compress(made, torch.zeros(3))                 # an explicit instance still works

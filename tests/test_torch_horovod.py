@@ -98,6 +98,12 @@ def test_adasum_and_a_shared_dgc_object_are_refused(run):
     assert r["shared"] is not None and "two DistributedOptimizers" in r["shared"], r["shared"]
 
 
+def test_an_uncalled_factory_or_the_class_as_compression_says_the_right_line(run):
+    r = run[0]["misuse"]
+    assert r["factory"] is not None and "dgc = Compression.dgc(compress_ratio" in r["factory"]
+    assert r["class"] is not None and "dgc = DGC(compress_ratio" in r["class"]
+
+
 BUCKETS = {   # the sparsified members of each bucket, in member order (see torch_worker.Net)
     "default": [["aux.weight", "fc2.weight", "fc1.weight"]],         # biases dense, one bucket
     "small_buckets": [["aux.bias", "aux.weight", "fc2.bias", "fc2.weight"],

@@ -48,7 +48,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from dgc_horovod.adapter import DGCAdapter
+from dgc_horovod.adapter import DGCAdapter, DGCFactory
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.backends.tf_backend import TFBackend
 
@@ -390,10 +390,8 @@ class Compression:
     none = hvd.Compression.none
     fp16 = hvd.Compression.fp16
 
-    @staticmethod
-    def dgc(config=None, **kwargs):
-        """A new :class:`DGC` compressor: ``DGC(config=config, **kwargs)``."""
-        return DGC(config=config, **kwargs)
+    #: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`; uncalled it explains itself.
+    dgc = DGCFactory(DGC)
 
 
 class DGCTensorBoardCallback(_keras_for_callback.callbacks.Callback):

@@ -68,7 +68,7 @@ import torch
 from horovod.torch import mpi_ops as _mpi_ops
 from horovod.torch.compression import Compressor
 
-from dgc_horovod.adapter import DGCAdapter
+from dgc_horovod.adapter import DGCAdapter, DGCFactory
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch.exchange import Exchange
@@ -405,10 +405,8 @@ class Compression:
     none = hvd.Compression.none
     fp16 = hvd.Compression.fp16
 
-    @staticmethod
-    def dgc(config=None, **kwargs):
-        """A new :class:`DGC` compressor: ``DGC(config=config, **kwargs)``."""
-        return DGC(config=config, **kwargs)
+    #: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`; uncalled it explains itself.
+    dgc = DGCFactory(DGC)
 
 
 def log_stats(writer, dgc, step, since=None, prefix="dgc/"):

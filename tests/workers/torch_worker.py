@@ -283,6 +283,14 @@ def scenario_misuse(results, prefix):
         out["adasum"] = None
     except RuntimeError as e:
         out["adasum"] = str(e)
+    from dgc_horovod.torch import Compression
+    for key, uncalled in (("factory", Compression.dgc), ("class", DGC)):
+        model, opt = make(f"{prefix}.{key}", uncalled)
+        try:
+            F.cross_entropy(model(x), y).backward()
+            out[key] = None
+        except TypeError as e:
+            out[key] = str(e)
     shared = DGC(warmup_epochs=0)
     m1, o1 = make(prefix + ".first", shared)
     m2, o2 = make(prefix + ".second", shared)
