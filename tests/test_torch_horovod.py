@@ -98,6 +98,14 @@ def test_adasum_and_a_shared_dgc_object_are_refused(run):
     assert r["shared"] is not None and "two DistributedOptimizers" in r["shared"], r["shared"]
 
 
+def test_state_dict_in_the_middle_of_a_step_is_refused_with_when_to_save(run):
+    r = run[0]["misuse"]
+    for key in ("mid_step", "mid_step_dense_only"):     # sparse buckets, or dense tensors only
+        assert r[key] is not None and "middle of a step" in r[key], r[key]
+        assert "after optimizer.step()" in r[key]
+        assert r[key + "_after"]
+
+
 def test_an_uncalled_factory_or_the_class_as_compression_says_the_right_line(run):
     r = run[0]["misuse"]
     assert r["factory"] is not None and "dgc = Compression.dgc(compress_ratio" in r["factory"]

@@ -255,6 +255,7 @@ class DGC(DGCAdapter, Compressor):
         # the gradient's dtype: Horovod's torch collectives have no bfloat16, and a float16
         # placeholder would make the counted wire bytes wrong. decompress casts back.
         if kind == "dense":
+            exchange.hold()
             return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)
         ticket = exchange.send(name, out, process_set)
         ctx = _Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param)
@@ -267,6 +268,7 @@ class DGC(DGCAdapter, Compressor):
         core = self._core
         if not isinstance(ctx, _Pending):     # dense tensor: Horovod's allreduce already reduced
             shape, dtype, name, param = ctx
+            self._exchange.release()
             return core.apply_weight_decay(name, tensor.view(-1), param).view(shape).to(dtype)
         gathered, ranks = self._exchange.receive(ctx.handle, ctx.world_size)
         if ctx.dense:                         # gated: reduced by DGC's own allreduce
@@ -320,12 +322,28 @@ class DGC(DGCAdapter, Compressor):
                 self._session = now
                 self._reset_locked()
 
+    def _between_steps(self, what, when):
+        """RuntimeError when a step is in progress (between backward() and optimizer.step()):
+        the residuals would then already hold this step's accumulation, the model not."""
+        if self._exchange.busy():
+            raise RuntimeError(f"DGC: {what} in the middle of a step (between loss.backward() and "
+                               f"optimizer.step(): the residuals already hold this step's "
+                               f"gradient, the parameters do not yet); {when}")
+
+    def state_dict(self, process_set=None):
+        self._between_steps("state_dict() was called", "call it between steps, after "
+                            "optimizer.step(), as for the model's and the optimizer's")
+        return super().state_dict(process_set)
+
+    state_dict.__doc__ = DGCAdapter.state_dict.__doc__ + """
+        Raises RuntimeError in the middle of a step (between ``loss.backward()`` and
+        ``optimizer.step()``).
+        """
+
     def _elastic_snapshot(self):
         """A copy of this rank's state for ``hvd.elastic.TorchState.commit`` (between steps)."""
-        if self._exchange.busy():
-            raise RuntimeError("DGC: the elastic state was committed in the middle of a step "
-                               "(an exchange is still pending); call state.commit() between "
-                               "steps, after optimizer.step()")
+        self._between_steps("the elastic state was committed", "call state.commit() between "
+                            "steps, after optimizer.step()")
         return self._core.state_dict()
 
     def _elastic_restore(self, snapshot):

@@ -128,8 +128,19 @@ class Exchange:
         return self._bucket_numel > 0 or self.gated
 
     def busy(self):
-        """True between a tensor's send (or defer) and its receive (a step in progress)."""
+        """True between a tensor's send (or defer, or :meth:`hold`) and its receive (or
+        :meth:`release`): a step in progress."""
         return self._outstanding > 0
+
+    def hold(self):
+        """A dense tensor was compressed (its velocity updated) and is on Horovod's allreduce."""
+        with self._lock:
+            self._outstanding += 1
+
+    def release(self):
+        """That dense tensor's result was received."""
+        with self._lock:
+            self._outstanding -= 1
 
     def _plan(self, opt):
         entry = self._plans.get(id(opt))

@@ -291,6 +291,19 @@ def scenario_misuse(results, prefix):
             out[key] = None
         except TypeError as e:
             out[key] = str(e)
+    # state_dict() between backward() and step() is refused; after the step it works
+    for key, kw in (("mid_step", {}), ("mid_step_dense_only", dict(min_sparse_numel=10 ** 6))):
+        dgc = DGC(warmup_epochs=0, **kw)
+        model, opt = make(f"{prefix}.{key}", dgc)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        try:
+            dgc.state_dict()
+            out[key] = None
+        except RuntimeError as e:
+            out[key] = str(e)
+        opt.step()
+        out[key + "_after"] = sorted(dgc.state_dict()["tensors"]) == sorted(dgc.states)
     shared = DGC(warmup_epochs=0)
     m1, o1 = make(prefix + ".first", shared)
     m2, o2 = make(prefix + ".second", shared)
