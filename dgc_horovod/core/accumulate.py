@@ -78,16 +78,11 @@ def weight_decay_momentum(B, update, buf, w, weight_decay, momentum, nesterov=Fa
     With b starting at 0 this is torch.optim.SGD's treatment of the λ·w part of the gradient, so
     DGC at density 1 with it equals dense momentum SGD with weight decay. buf is None when m = 0
     (then update ← update + λ·w). Returns update.
+
+    This is :func:`momentum_correction` with u = b, v = update, g = w and s = λ.
     """
-    if buf is None:
-        B.add_(update, w, alpha=weight_decay)
-        return update
-    B.scale_add_(buf, momentum, w, weight_decay)
-    if nesterov:
-        B.add_(update, w, alpha=weight_decay)
-        B.add_(update, buf, alpha=momentum)
-    else:
-        B.add_(update, buf)
+    momentum_correction(B, buf, update, w, momentum if buf is not None else 0.0, nesterov,
+                        weight_decay)
     return update
 
 
