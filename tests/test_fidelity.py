@@ -343,3 +343,12 @@ def test_epoch_driven_warmup_warns_once_when_set_epoch_is_never_called(monkeypat
             d.compress("w", g, 2)
     d.set_epoch(4)
     assert d.density == 0.001
+
+
+def test_statistics_before_the_first_step_say_so():
+    from dgc_horovod.core import CompressionStats
+    assert repr(CompressionStats()) == "CompressionStats(no step yet)"
+    c = core(warmup_steps=0)
+    assert repr(c.step_stats) == "CompressionStats(no step yet)"
+    c.compress("w", np.ones((10, 10), np.float32), 2)
+    assert repr(c.step_stats).startswith("CompressionStats(steps=1, tensors=1")

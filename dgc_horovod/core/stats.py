@@ -53,6 +53,8 @@ class CompressionStats:
         return d
 
     def __repr__(self):
+        if not self.steps and not self.tensors:
+            return "CompressionStats(no step yet)"      # not "density 1, ratio 0.0x"
         return (f"CompressionStats(steps={self.steps}, tensors={self.tensors}, "
                 f"selected={self.selected}/{self.elements}, wire_bytes={self.wire_bytes}, "
                 f"dense_bytes={self.dense_bytes}, ratio={self.ratio:.1f}x, "
