@@ -43,15 +43,16 @@ def draw(out):
     w, h, top = 2.88, 1.95, 6.1
     xs = [1.65, 4.75, 7.85, 10.95, 14.05]
     box(ax, xs[0], top, w, h, "1. local gradient",
-        "g = ∂loss/∂w  (backward)\nHorovod calls DGC.compress(g)\n+ weight decay (optional)\n"
+        "g = ∂loss/∂w  (backward)\nHorovod calls DGC.compress(g)\n"
         "non-finite g: skipped", LOCAL)
     box(ax, xs[1], top, w, h, "2. clip (optional)",
-        "clip_norm: scale g so that\n‖g‖ ≤ clip_norm / √N\n(local gradient clipping)", LOCAL)
+        "clip_norm C: one factor s for all\nof the rank's g, ‖s·G‖ ≤ C·√N\n(op=Average; local clipping)",
+        LOCAL)
     box(ax, xs[2], top, w, h, "3. momentum correction",
         "u ← m·u + g      (velocity)\nv ← v + u         (residual)\n"
         "(Nesterov: v ← v + m·u + g)", LOCAL)
     box(ax, xs[3], top, w, h, "4. top-k of |v|",
-        "k = density · numel\nthreshold from a 1% sample\n(warm-up: density 25% → 0.1%)",
+        "k = density · numel\nthreshold from a 1% sample\n(warm-up by steps: 25% → 0.1%)",
         LOCAL)
     box(ax, xs[4], top, w, h, "5. encode",
         "selected (index, value) pairs\n→ int32 payload\n(delta16 indices, fp32 values)",
@@ -65,7 +66,7 @@ def draw(out):
         "a 1-element placeholder", WIRE)
     box(ax, xs[3] - 0.35, y2, w + 0.7, h, "7. decompress",
         "sum all N ranks' entries in rank\norder (bit-identical everywhere),\n"
-        "÷ N for op=Average\n→ dense averaged update", HOROVOD)
+        "÷ N for op=Average, + weight\ndecay with its own momentum", HOROVOD)
     box(ax, xs[1] + 0.2, y2, w + 0.4, h, "8. optimizer step",
         "p.grad ← update\nplain SGD (momentum=0:\nDGC applied it in step 3)\nw ← w − lr · update",
         HOROVOD)
@@ -95,7 +96,7 @@ def draw(out):
         ax.add_patch(FancyBboxPatch((9.0, y - 0.12), 0.4, 0.24, boxstyle="round,pad=0.01", fc=c,
                                     ec="#333333"))
         ax.text(9.55, y, t, va="center", fontsize=9.5)
-    ax.text(9.0, 0.05, "small tensors (< min_sparse_numel): dense allreduce of u after step 3",
+    ax.text(9.0, 0.05, "1-D tensors (biases, norm scales): dense allreduce of u after step 3",
             fontsize=9, style="italic", color="#555555")
 
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
