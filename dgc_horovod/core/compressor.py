@@ -334,7 +334,9 @@ class DGCCore:
                     "world size. Resume with the same number of ranks, each loading its own file, "
                     "or pass reset_residuals=True to keep config and warm-up epoch and restart "
                     "the residuals at zero (the dropped residual is lost gradient, a small "
-                    "one-off perturbation)")
+                    "one-off perturbation). In a job with Horovod process sets, pass the DGC's "
+                    "process_set= to state_dict() and load_state_dict() (the default is the "
+                    "global set)")
             if None not in (saved_rank, rank) and saved_rank != rank:
                 raise ValueError(
                     f"DGC checkpoint was saved by rank {saved_rank}, loaded on rank {rank}: DGC "
