@@ -76,7 +76,7 @@ docker:
 ## convergence: does DGC at 99.9% sparsity train as well as dense SGD? MNIST CNN and Shakespeare LSTM
 ## LM on a simulated cluster (dgc_horovod/simulate.py), N = 4 and 16 workers, 3 seeds: dense vs full DGC,
 ## the ablation ladder and two side studies -> docs/convergence.{md,png}, raw JSON in runs/convergence/.
-## About 60 min on one core (ARGS=--jobs 2: two at a time). ARGS=--quick: the CI smoke run, < 2 min.
+## 50 min with ARGS=--jobs 2 on this 2-core machine (2026-12-02), about 100 min at one job. ARGS=--quick: the CI smoke run, < 2 min.
 .PHONY: convergence
 convergence: install
 	python benchmarks/convergence.py $(ARGS)

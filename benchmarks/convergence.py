@@ -39,9 +39,10 @@ Tasks (real data; :data:`SETTINGS` holds every number):
 
 Same seeds, data, learning-rate schedule and global batch for every variant of a (task, N, length);
 N = 4 and 16 share the global batch (per-worker batch global / N). Every run uses one torch
-thread. Lengths (``SETTINGS[task]["full"]["steps"]``) are sized to about an hour on one core at
-the step costs ``--measure`` reports: an N = 16 DGC step costs 4-5 times an N = 4 one, so the
-N = 16 runs are shorter; the report gives every run's steps and its steps at density 0.001.
+thread. Lengths (``SETTINGS[task]["full"]["steps"]``) are sized to about 100 minutes on one
+core (50 with --jobs 2) at the step costs ``--measure`` reports: the MNIST headline runs 5,210
+steps at N = 4 and 16; the LM headline, whose N = 16 DGC step costs about 160 ms, is shorter
+(1,560 and 780 steps); the report gives every run's steps and its steps at density 0.001.
 
     python benchmarks/convergence.py                    # the full study (make convergence)
     python benchmarks/convergence.py --quick            # CI smoke run (~1 min), temp out-dir
@@ -84,7 +85,7 @@ WARMUP_FRACTION = 0.04
 
 #: Per task: the recipe of the full study and of --quick. steps: {length: {N: steps per run}}
 #: (see :data:`STUDY_LENGTH`), sized to the measured cost of a step (``--measure``): the full
-#: study takes about an hour on one core. A world size not listed takes the steps of the next
+#: study takes about 100 minutes on one core. A world size not listed takes the steps of the next
 #: larger one listed (else of the largest).
 SETTINGS = {
     "mnist": {
