@@ -199,7 +199,7 @@ def steps_for(table, n):
     return table[min(larger)] if larger else table[max(table)]
 
 
-def variant_spec(task, variant, s, warmup_steps, seed):
+def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None):
     """What a variant trains with: dict(optimizer_momentum, dgc=DGCConfig kwargs or None,
     dense_clip=C of a clip_grad_norm_ after the exchange or None).
 
@@ -223,7 +223,8 @@ def variant_spec(task, variant, s, warmup_steps, seed):
     full = dict(momentum=m, clip_norm=C, warmup_steps=warmup_steps)   # masking: default (True)
     dgc = {"dgc": full, "dgc_1d": dict(full, min_sparse_ndim=1),
            "dgc_tclip": dict(full, clip_scope="tensor")}
-    kw = dict(ladder.get(variant) or dgc[variant], compress_ratio=COMPRESS_RATIO, seed=seed)
+    kw = dict(ladder.get(variant) or dgc[variant], seed=seed,
+              compress_ratio=COMPRESS_RATIO if compress_ratio is None else compress_ratio)
     opt_m = m if variant == "gd" else 0.0
     return dict(optimizer_momentum=opt_m, dgc=kw, dense_clip=None)
 
@@ -467,7 +468,7 @@ def train(job):
     s = job["settings"]
     task = TASKS[task_name](N, seed, s)
     W = warmup_steps_for(total)
-    spec = variant_spec(task_name, variant, s, W, seed)
+    spec = variant_spec(task_name, variant, s, W, seed, job.get("compress_ratio"))
     torch.manual_seed(seed)
     model = task.build()
     params = sum(p.numel() for p in model.parameters())
@@ -553,7 +554,7 @@ def resolve_studies(mode, studies, sizes=None, steps=None, tasks=FULL["tasks"]):
     return out
 
 
-def build_plan(mode, tasks, seeds, variants, studies):
+def build_plan(mode, tasks, seeds, variants, studies, compress_ratio=None):
     """[(study, job)] in run order: seed by seed (a partial run has every configuration with
     fewer seeds), the studies in order; a run shared by two studies (same task, N, variant,
     seed and steps) is listed once, under the first. ``studies``: :func:`resolve_studies`."""
@@ -571,8 +572,11 @@ def build_plan(mode, tasks, seeds, variants, studies):
                         if key in seen:
                             continue
                         seen.add(key)
-                        plan.append((study, dict(task=task, world_size=N, variant=v, seed=seed,
-                                                 steps=n_steps, mode=mode, settings=s)))
+                        job = dict(task=task, world_size=N, variant=v, seed=seed,
+                                   steps=n_steps, mode=mode, settings=s)
+                        if compress_ratio is not None:
+                            job["compress_ratio"] = compress_ratio
+                        plan.append((study, job))
     return plan
 
 
@@ -922,6 +926,9 @@ def parse_args(argv=None):
                    help="steps per run, for every task and N: N for every study, or e.g. "
                         "headline=5210 ablation=1000 (default: SETTINGS' tables per N)")
     p.add_argument("--jobs", type=int, default=1, help="runs trained in parallel processes")
+    p.add_argument("--compress-ratio", type=float, default=None,
+                   help=f"DGC's density after warm-up instead of {COMPRESS_RATIO} (a side "
+                        "experiment: its report is not the study's and does not go to docs/)")
     p.add_argument("--resume", action="store_true",
                    help="keep the finished runs of <out-dir>/runs.jsonl that the plan needs and "
                         "train only the others")
@@ -933,8 +940,10 @@ def parse_args(argv=None):
                    help="steps timed per configuration by --measure")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else FULL
-    args.custom = [k for k in ("tasks", "studies", "sizes", "seeds", "variants", "steps")
-                   if getattr(args, k) is not None]
+    args.custom = [k for k in ("tasks", "studies", "sizes", "seeds", "variants", "steps",
+                               "compress_ratio") if getattr(args, k) is not None]
+    if args.compress_ratio is not None and not 0.0 < args.compress_ratio <= 1.0:
+        p.error(f"--compress-ratio must be in (0, 1], got {args.compress_ratio}")
     args.mode = "quick" if args.quick else "full"
     args.tasks = list(dict.fromkeys(args.tasks or defaults["tasks"]))
     args.seeds = list(dict.fromkeys(args.seeds if args.seeds is not None else defaults["seeds"]))
@@ -1007,7 +1016,8 @@ def main(argv=None):
         md, png = report(args.out_dir, args.docs or meta["full_study"])
         log(f"[convergence] wrote {md} and {png}")
         return 0
-    plan = build_plan(args.mode, args.tasks, args.seeds, args.variants, args.study_specs)
+    plan = build_plan(args.mode, args.tasks, args.seeds, args.variants, args.study_specs,
+                      args.compress_ratio)
     os.makedirs(args.out_dir, exist_ok=True)
     runs_path = os.path.join(args.out_dir, "runs.jsonl")
     meta_path = os.path.join(args.out_dir, "meta.json")
@@ -1030,7 +1040,8 @@ def main(argv=None):
                 full_study=full, tasks=args.tasks, seeds=args.seeds, variants=args.variants,
                 studies=args.study_specs, jobs=args.jobs,
                 settings={t: SETTINGS[t][args.mode] for t in args.tasks},
-                compress_ratio=COMPRESS_RATIO, warmup_fraction=WARMUP_FRACTION,
+                compress_ratio=args.compress_ratio or COMPRESS_RATIO,
+                warmup_fraction=WARMUP_FRACTION,
                 planned_runs=len(plan), out_dir=args.out_dir,
                 resumed=_utc() if done else None)
 

@@ -152,6 +152,8 @@ def test_train_is_deterministic():
     assert a["final_metric"] == b["final_metric"] and a["wire"] == b["wire"]
     other = C.train(dict(job, seed=4))
     assert other["curve"][-1]["train_loss"] != a["curve"][-1]["train_loss"]
+    denser = C.train(dict(job, compress_ratio=0.05))   # --compress-ratio reaches the config
+    assert denser["wire"] != a["wire"]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -163,6 +165,7 @@ def test_train_is_deterministic():
     (["--jobs", "0"], "--jobs must be >= 1"),
     (["--tasks", "lm", "--variants", "mc", "mask"], "no selected variant"),
     (["--tasks", "cifar"], "invalid choice"),
+    (["--compress-ratio", "0"], "--compress-ratio must be in (0, 1]"),
 ])
 def test_bad_arguments_exit_with_a_clear_error(args, words):
     proc = _run(*args, "--out-dir", os.devnull + "/none", timeout=60)
