@@ -153,7 +153,7 @@ class SimulatedCluster:
         # worker sent), so worker 0 decodes and the others decode only then. Each worker keeps
         # its own weight decay buffer.
         out = {}
-        wd = bool(self.config.weight_decay) and not needs_param
+        wd = cores[0].separate_weight_decay
         for b, (members, flags) in enumerate(self.buckets):
             if segments[0][b] is None:
                 continue

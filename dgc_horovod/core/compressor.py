@@ -554,6 +554,13 @@ class DGCCore:
         return bool(c.weight_decay) and c.weight_decay_mode == "accumulated"
 
     @property
+    def separate_weight_decay(self):
+        """True when :meth:`apply_weight_decay` adds weight decay after the exchange
+        (weight_decay > 0 with ``weight_decay_mode="separate"``)."""
+        c = self.config
+        return bool(c.weight_decay) and c.weight_decay_mode == "separate"
+
+    @property
     def needs_clip_scale(self):
         """True when compress needs the step's ``clip_scale`` (clip_norm with global scope)."""
         return self.config.clip_norm is not None and self.config.clip_scope == "global"
@@ -593,10 +600,9 @@ class DGCCore:
         Args: name (str): a tensor compressed this step. update: flat float32 tensor (the
             decompressed average, or the dense allreduce result). param: the parameter.
         """
-        c = self.config
-        if not c.weight_decay or c.weight_decay_mode != "separate":
+        if not self.separate_weight_decay:
             return update
-        B = self.B
+        c, B = self.config, self.B
         if B.numel(param) != B.numel(update):
             raise ValueError(f"DGC: the parameter of {name!r} has {B.numel(param)} elements, "
                              f"its update {B.numel(update)}")

@@ -285,7 +285,7 @@ class DGC(DGCAdapter, Compressor):
         with ``weight_decay_mode="separate"`` the weight decay term is added to either."""
         info, original, name, var = ctx
         core, pending = self._core, self._pending
-        separate_wd = bool(self.config.weight_decay) and not core.needs_param
+        separate_wd = core.separate_weight_decay
         if info is None:
             if not separate_wd:
                 return tensor
