@@ -144,7 +144,8 @@ class SimulatedCluster:
                                                   zip(sparse, payloads)], like=payloads[0]))
                 core.add_wire_bytes(4 * len(sparse) + wire.BUCKET_HEADER_BYTES)
             if core.needs_clip_scale:       # the adapter's gated exchange: one placeholder each
-                core.add_wire_bytes(PLACEHOLDER_BYTES * len(dense_k))
+                core.add_wire_bytes(PLACEHOLDER_BYTES * len(dense_k),
+                                    received=PLACEHOLDER_BYTES * len(dense_k))
             segments.append(segs)
             contexts.append(ctxs)
             dense.append(dense_k)
@@ -158,6 +159,8 @@ class SimulatedCluster:
             if segments[0][b] is None:
                 continue
             gathered = B.cat([segments[k][b] for k in range(N)])
+            for k in range(N):
+                cores[k].count_allgather(B.numel(gathered), B.numel(segments[k][b]))
             parts = wire.split_bucket(B, gathered, N, len(members), "dgc.bucket." + members[0])
             for m, (n, s) in enumerate(zip(members, flags)):
                 if not s:

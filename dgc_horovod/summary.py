@@ -11,7 +11,7 @@ Usage::
     from dgc_horovod.summary import EventWriter, write_stats
     writer = EventWriter("runs/dgc")                    # on rank 0 only
     writer.add_scalar("train/loss", 0.31, step=1)
-    write_stats(writer, dgc.total_stats.since(epoch_start), step=1)   # dgc/ratio, dgc/density, ...
+    write_stats(writer, dgc.total_stats.since(epoch_start), step=1)   # dgc/ratio, dgc/received_ratio, ...
     writer.close()
 
 :func:`write_stats` takes any writer with ``add_scalar(tag, value, step)``, e.g. also
@@ -21,8 +21,9 @@ Usage::
 __all__ = ["EventWriter", "write_stats", "STATS_SCALARS"]
 
 #: CompressionStats fields written by :func:`write_stats` (tag ``prefix + name``).
-STATS_SCALARS = ("density", "ratio", "selected", "wire_bytes", "dense_bytes",
-                 "compress_seconds", "nonfinite_tensors")
+STATS_SCALARS = ("density", "ratio", "received_ratio", "selected", "wire_bytes",
+                 "received_bytes", "dense_bytes", "compress_seconds", "nonfinite_tensors",
+                 "overflowed_entries", "flushed_entries")
 
 
 class EventWriter:

@@ -45,8 +45,9 @@ def parse_args(description):
     p.add_argument("--json-out", default=None, help="rank 0 writes the final metrics here")
     p.add_argument("--tensorboard-dir", default=None,
                    help="rank 0 writes TensorBoard scalars here each epoch (train/loss, "
-                        "test/accuracy and, for DGC, dgc/density, dgc/ratio, dgc/selected, "
-                        "dgc/wire_bytes, dgc/compress_seconds; step = epochs completed)")
+                        "test/accuracy and, for DGC, the dgc/* statistics: dgc/density, "
+                        "dgc/ratio, dgc/received_ratio, dgc/wire_bytes, dgc/received_bytes, ...; "
+                        "step = epochs completed)")
     args = p.parse_args()
     if args.epochs < 1:
         p.error("--epochs must be >= 1")
@@ -144,9 +145,10 @@ class Report:
     writes).
 
     The wire compression of an epoch is, for DGC, this rank's dense fp32 bytes over the bytes it
-    sent that epoch (CompressionStats); for none / fp16, 4 / 4 or 4 / 2 bytes per element. "After
-    warm-up" counts from the first epoch start at which DGC has run ``warmup_steps`` steps
-    (``dgc.total_stats.steps``).
+    sent that epoch, and over the bytes it received (the other ranks' payloads: with N ranks
+    about N - 1 times what it sent; CompressionStats ratio and received_ratio); for none / fp16,
+    4 / 4 or 4 / 2 bytes per element both ways. "After warm-up" counts from the first epoch start
+    at which DGC has run ``warmup_steps`` steps (``dgc.total_stats.steps``).
     """
 
     def __init__(self, args, dgc, rank0, size, lr, warmup_steps):
@@ -182,18 +184,18 @@ class Report:
         if self.dgc is not None:
             density = self.dgc.density
             epoch_stats = self.dgc.total_stats.since(self._snapshot)
-            ratio = epoch_stats.ratio
+            ratio, received = epoch_stats.ratio, epoch_stats.received_ratio
         else:
-            density, ratio = 1.0, self.dense_ratio
+            density, ratio, received = 1.0, self.dense_ratio, self.dense_ratio
         self.history.append({"epoch": epoch + 1, "train_loss": train_loss,
                              "test_accuracy": test_accuracy, "density": density,
-                             "wire_ratio": ratio})
+                             "wire_ratio": ratio, "received_ratio": received})
         if self.writer is not None:
             self._write_scalars(epoch + 1, train_loss, test_accuracy, epoch_stats)
         if self.rank0:
             log(f"epoch {epoch + 1:3d}  train loss {train_loss:.4f}  test accuracy "
                 f"{test_accuracy:6.2f}%  density {density:.4g}  wire compression "
-                f"{_fmt_ratio(ratio)}")
+                f"sent {_fmt_ratio(ratio)} received {_fmt_ratio(received)}")
 
     def _write_scalars(self, step, train_loss, test_accuracy, epoch_stats):
         w = self.writer
@@ -206,21 +208,26 @@ class Report:
     def finish(self):
         a, dgc, last = self.args, self.dgc, self.history[-1]
         if dgc is not None:
-            post = dgc.total_stats.since(self.after_warmup).ratio if self.after_warmup else None
+            after = dgc.total_stats.since(self.after_warmup) if self.after_warmup else None
+            post, post_received = ((after.ratio, after.received_ratio) if after
+                                   else (None, None))
         else:
-            post = last["wire_ratio"]
+            post, post_received = last["wire_ratio"], last["received_ratio"]
         seconds = time.time() - self.t_start
         if self.writer is not None:
             self.writer.close()
         if not self.rank0:
             return
         log(f"final test accuracy: {last['test_accuracy']:.2f}%")
-        log(f"wire compression after warm-up: {_fmt_ratio(post)}"
+        log(f"wire compression after warm-up: sent {_fmt_ratio(post)}, received "
+            f"{_fmt_ratio(post_received)}"
             + ("" if dgc is None else f" (steps >= {self.warmup_steps}, rank 0's bytes)"))
         log(f"wall time: {seconds:.1f} s")
         if a.json_out:
             result = {"test_accuracy": last["test_accuracy"], "final_loss": last["train_loss"],
-                      "compression_ratio_after_warmup": post, "epochs": a.epochs,
+                      "compression_ratio_after_warmup": post,
+                      "received_compression_ratio_after_warmup": post_received,
+                      "epochs": a.epochs,
                       "seed": a.seed, "compression": a.compression, "seconds": seconds,
                       "ranks": self.size, "lr": self.lr, "batch_size": a.batch_size,
                       "warmup_steps": self.warmup_steps, "history": self.history}

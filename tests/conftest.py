@@ -45,6 +45,27 @@ def read_timeline(path):
     return out
 
 
+def check_loss_scaler_saw_fp16_overflow(r):
+    """What the fp16_overflow scenario of tests/workers/torch_worker.py and tf_worker.py recorded
+    (wire_values="float16", a framework loss scaler starting at 2**24): a step was skipped
+    exactly when some rank's selected values overflowed (sent as ±inf), the scale fell alike on
+    every rank and training resumed, the replicas are bit-identical and finite, u and v finite,
+    and a rank that overflowed warned once."""
+    ranks = r["ranks"]
+    assert r["identical"] and r["params_finite"]
+    assert all(rr["states_finite"] for rr in ranks)
+    scales, stepped = ranks[0]["scales"], ranks[0]["stepped"]
+    assert all(rr["scales"] == scales and rr["stepped"] == stepped for rr in ranks)
+    overflowed = [sum(step) for step in zip(*(rr["overflowed"] for rr in ranks))]
+    assert stepped == [n == 0 for n in overflowed]
+    assert not stepped[0] and any(stepped)                 # backs off, then trains
+    assert scales[0] == 2.0 ** 23 and scales == sorted(scales, reverse=True)
+    for rr in ranks:
+        assert len(rr["warnings"]) == (1 if sum(rr["overflowed"]) else 0)
+        assert all("±inf" in w for w in rr["warnings"])
+    return ranks, overflowed
+
+
 #: The settings the unit tests of the sparse path's mechanics (test_core, test_kernels, the batch
 #: tests, test_checkpoint, test_wire_fuzz) were written for: they feed flat 1-D gradients and
 #: expect them sparsified, drive the warm-up with set_epoch, clip per tensor, and accumulate weight

@@ -329,6 +329,19 @@ def test_malformed_state_dict_is_refused_without_change(corrupt, match):
     assert untouched(core)
 
 
+def test_state_dict_without_the_newer_counters_loads():
+    """A checkpoint written before received_bytes / overflowed_entries / flushed_entries existed
+    loads with them at 0."""
+    sd = trained_state()
+    for key in ("total_stats", "step_stats"):
+        for field in ("received_bytes", "overflowed_entries", "flushed_entries"):
+            del sd[key][field]
+    core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
+    core.load_state_dict(sd, world_size=2, rank=0)
+    assert core.total_stats.received_bytes == 0 and core.total_stats.steps == 4
+    assert core.total_stats.wire_bytes == sd["total_stats"]["wire_bytes"]
+
+
 # ============================================================ beyond the index range
 def test_check_numel_boundary():
     wire.check_numel(2 ** 31 - 1, "ok")

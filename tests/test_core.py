@@ -1069,20 +1069,80 @@ def test_stats_count_nonfinite(backend):
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_fp16_values_keep_rounding_error_in_residual(backend):
     """wire_values='float16': receivers get fp16(v) at the sent positions, and v keeps
-    v - fp16(v) there (the quantization error is delayed, not lost); beyond 65504 the value is
-    clipped to 65504 and the excess stays in v as well."""
+    v - fp16(v) there (the quantization error is delayed, not lost)."""
     g = np.zeros(2048, F32)
-    g[[3, 700, 2047]] = [1.0 / 3.0, 70000.0, -2.0e-3]
+    g[[3, 700, 2047]] = [1.0 / 3.0, 60000.0, -2.0e-3]
     core = make_ranks(1, backend, compress_ratio=3 / 2048, exact_topk=True, momentum=0.0,
                       wire_values="float16", min_sparse_numel=1)[0]
     updates, payloads, kind = exchange([core], "w", [g])
     assert kind == "sparse"
-    sent = np.clip(g[[3, 700, 2047]], -65504, 65504).astype(np.float16).astype(F32)
+    sent = g[[3, 700, 2047]].astype(np.float16).astype(F32)
     np.testing.assert_array_equal(updates[0][[3, 700, 2047]], sent)
     v = state_np(core, "w")[1]
     np.testing.assert_array_equal(v[[3, 700, 2047]], g[[3, 700, 2047]] - sent)
-    assert v[700] == 70000.0 - 65504.0
     assert ref_parse(payloads[0])[4].tolist() == sent.tolist()
+    s = core.step_stats
+    assert (s.overflowed_entries, s.flushed_entries, s.nonfinite_tensors) == (0, 0, 0)
+
+
+FP16_POS = [3, 700, 2047]
+
+
+@pytest.mark.parametrize("backend", CORE_PATHS)
+def test_fp16_overflow_is_sent_as_inf_and_skipped_on_every_rank(backend, recwarn):
+    """A value beyond float16's range is sent as ±inf, as a float16 cast makes it (not clamped
+    to 65504): every rank decodes a non-finite update (all NaN, as a non-finite gradient gives),
+    the rank that did not overflow puts back what it sent, the one that did drops the tensor's
+    u and v, and no NaN/Inf enters u or v. Reference: the NumPy transcription."""
+    m = 0.9
+    g0 = np.zeros(2048, F32)
+    g0[FP16_POS] = [0.5, 1000.0, -2.0]
+    g1 = np.zeros(2048, F32)
+    g1[FP16_POS] = [0.25, -70000.0, 3.0]          # -70000 < -65520: float16 makes it -inf
+    cores = make_ranks(2, backend, compress_ratio=3 / 2048, exact_topk=True, momentum=m,
+                       wire_values="float16", min_sparse_numel=1)
+    updates, payloads, _ = exchange(cores, "w", [g0, g1])
+    for up in updates:
+        assert np.isnan(up).all()
+    sent1 = ref_parse(payloads[1])[4]
+    assert sent1.tolist() == [F32(0.25), -np.inf, F32(3.0)]         # in index order
+    assert np.isfinite(ref_parse(payloads[0])[4]).all()
+    for rank, (core, g) in enumerate(zip(cores, (g0, g1))):
+        u_ref, v_ref = ref_momentum_correction(np.zeros(2048, F32), np.zeros(2048, F32), g, m)
+        if rank == 1:                              # overflowed: its state is dropped
+            u_ref[:] = v_ref[:] = 0.0
+        u, v = state_np(core, "w")
+        np.testing.assert_array_equal(u, u_ref)
+        np.testing.assert_array_equal(v, v_ref)
+        s = core.step_stats
+        assert (s.overflowed_entries, s.flushed_entries, s.nonfinite_tensors) == (
+            rank, 0, 0)
+        assert core.total_stats.overflowed_entries == rank
+    warned = [str(w.message) for w in recwarn if "float16" in str(w.message)]
+    assert len(warned) == 1 and "'w'" in warned[0] and "±inf" in warned[0], warned
+    # what a loss scaler does next: skip, back off (here: half the gradient). Rank 1 starts from
+    # zero and no longer overflows, so the step goes through; with its entries put back it would
+    # overflow for ever (v[700] would be -70000 - 0.9·70000 - 35000 whatever the scale)
+    updates, payloads, _ = exchange(cores, "w", [g0 / 2, g1 / 2])
+    for up in updates:
+        assert np.isfinite(up).all() and up[700] != 0
+    assert cores[1].total_stats.overflowed_entries == 1
+    assert len([w for w in recwarn if "float16" in str(w.message)]) == 1      # once
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_fp16_flush_to_zero_is_counted_and_kept_in_the_residual(backend, recwarn):
+    g = np.zeros(2048, F32)
+    g[[5, 9]] = [1e-9, 1.0]                        # 1e-9 <= 2**-25: float16 makes it 0
+    core = make_ranks(1, backend, compress_ratio=2 / 2048, exact_topk=True, momentum=0.0,
+                      wire_values="float16", min_sparse_numel=1)[0]
+    updates, payloads, _ = exchange([core], "w", [g])
+    assert updates[0][5] == 0.0 and updates[0][9] == 1.0
+    assert ref_parse(payloads[0])[3].tolist() == [5, 9]             # sent, as 0
+    assert state_np(core, "w")[1][5] == F32(1e-9)                   # and kept in v
+    assert (core.step_stats.flushed_entries, core.step_stats.overflowed_entries) == (1, 0)
+    warned = [str(w.message) for w in recwarn if "float16" in str(w.message)]
+    assert len(warned) == 1 and "'w'" in warned[0] and "below float16's range" in warned[0]
 
 
 def test_wire_options_are_validated():

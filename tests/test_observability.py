@@ -3,6 +3,7 @@ Keras DGCTensorBoardCallback), the Compression entry points, and the examples' -
 in real `horovodrun -np 2` jobs. Event files are read back with TensorFlow's own reader."""
 import glob
 import os
+import re
 
 import pytest
 
@@ -124,7 +125,12 @@ def _check_example_scalars(log_dir, epochs):
     assert all(0 < v < 10 for _, v in got["train/loss"])
     assert all(0 <= v <= 100 for _, v in got["test/accuracy"])
     assert all(v > 1 for _, v in got["dgc/ratio"])
-    assert all(v > 0 for _, v in got["dgc/selected"] + got["dgc/wire_bytes"])
+    assert all(v > 0 for _, v in got["dgc/selected"] + got["dgc/wire_bytes"]
+               + got["dgc/received_bytes"])
+    # 2 ranks: rank 0 receives rank 1's payloads, about what it sends itself
+    for (_, sent), (_, received) in zip(got["dgc/ratio"], got["dgc/received_ratio"]):
+        assert received == pytest.approx(sent, rel=0.2)
+    assert all(v == 0 for _, v in got["dgc/overflowed_entries"] + got["dgc/flushed_entries"])
     assert all(v >= 0 for _, v in got["dgc/compress_seconds"])
     density = [v for _, v in got["dgc/density"]]
     assert density[-1] == pytest.approx(0.001, rel=1e-3)    # after the 1-epoch warm-up
@@ -135,7 +141,14 @@ def _check_example_scalars(log_dir, epochs):
 @pytest.mark.parametrize("example", ["pytorch_mnist.py", "tensorflow2_keras_mnist.py"])
 def test_example_tensorboard_dir(tmp_path, example):
     log_dir = str(tmp_path / "tb")
-    horovodrun([os.path.join("examples", example), "--epochs", "2",
-                "--batch-size", "64", "--tensorboard-dir", log_dir],
-               env={"TF_USE_LEGACY_KERAS": "1"}, timeout=300)
+    proc = horovodrun([os.path.join("examples", example), "--epochs", "2",
+                       "--batch-size", "64", "--tensorboard-dir", log_dir],
+                      env={"TF_USE_LEGACY_KERAS": "1"}, timeout=300)
     _check_example_scalars(log_dir, 2)
+    # the printed lines give the compression of the traffic both ways
+    epochs = re.findall(r"wire compression sent ([0-9.]+)x received ([0-9.]+)x", proc.stdout)
+    assert len(epochs) == 2, proc.stdout[-3000:]
+    final = re.search(r"wire compression after warm-up: sent ([0-9.]+)x, received ([0-9.]+)x",
+                      proc.stdout)
+    assert final, proc.stdout[-3000:]
+    assert float(final.group(2)) == pytest.approx(float(final.group(1)), rel=0.2)

@@ -124,3 +124,27 @@ def test_a_nonfinite_worker_is_skipped_by_all_and_nothing_is_lost(one_thread):
     u = ua * m + g                                              # worker 0 accumulated, sent,
     torch.testing.assert_close(a.states[name].u, u)             # and got it all back
     torch.testing.assert_close(a.states[name].v, va + g + m * u)   # Nesterov: v += g + m·u
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_received_bytes_are_the_other_workers_payloads(one_thread, name):
+    """Each worker receives every other worker's bucket segments (as Horovod's allgather returns
+    them) and the allreduce's output (one placeholder per sparsified tensor, the dense tensors
+    and, with the gated exchange of global clipping, a placeholder per dense tensor too)."""
+    N, steps = 3, 3
+    model = W.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=W.LR)
+    config = DGCConfig(environ={}, **CONFIGS[name])
+    cluster = SimulatedCluster(model, opt, N, config)
+    for step in range(steps):
+        cluster.backward([lambda k=k: W.loss_of(model, k, step) for k in range(N)])
+        opt.step()
+    gated = config.clip_norm is not None and config.clip_scope == "global"
+    allreduced = steps * sum(4 if st.sparse else 4 * st.numel + 4 * gated
+                             for st in cluster.cores[0].states.values())
+    allgathered = [c.total_stats.wire_bytes - allreduced for c in cluster.cores]
+    assert all(a > 0 for a in allgathered)
+    for k, core in enumerate(cluster.cores):
+        assert core.total_stats.received_bytes == sum(allgathered) - allgathered[k] + allreduced
+        assert core.total_stats.received_ratio == pytest.approx(
+            core.total_stats.dense_bytes / core.total_stats.received_bytes)

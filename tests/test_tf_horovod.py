@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from conftest import horovodrun, read_timeline
+from conftest import check_loss_scaler_saw_fp16_overflow, horovodrun, read_timeline
 
 TF_ENV = {"TF_USE_LEGACY_KERAS": "1"}
 
@@ -45,6 +45,13 @@ def test_nonfinite_step_skipped_on_every_rank_state_clean(run):
     r = run["nonfinite"]
     assert r["skipped"] == [False, False, False, True, False, False, False, False]
     assert r["states_finite"] and r["identical"]
+
+
+def test_fp16_overflow_makes_loss_scale_optimizer_back_off_on_every_rank(run):
+    """The same rule as PyTorch's (one core): tf-keras's LossScaleOptimizer skips exactly the
+    steps where some rank's float16 values overflowed, backs off, and training resumes."""
+    ranks, _ = check_loss_scaler_saw_fp16_overflow(run["fp16_overflow"])
+    assert all("'fc" in w for rr in ranks for w in rr["warnings"])       # names the tensor
 
 
 def test_keras_fit_with_warmup_callback(run):
@@ -89,3 +96,10 @@ def test_wire_bytes_match_statistics(tmp_path):
     allgather_bytes = 4 * sum(math.prod(s) for _, s in gathered)
     allreduce_bytes = 4 * sum(math.prod(s) for _, s in reduced)
     assert sum(r["wire_bytes"] for r in w["per_rank"]) == allgather_bytes + 2 * allreduce_bytes
+    # received: the other rank's payloads (the allgather's output but the own input) and the
+    # allreduce's output; with 2 ranks exactly what the other rank sent
+    assert sum(r["received_bytes"] for r in w["per_rank"]) == allgather_bytes + 2 * allreduce_bytes
+    for me, other in ((0, 1), (1, 0)):
+        a, b = w["per_rank"][me], w["per_rank"][other]
+        assert a["received_bytes"] == b["wire_bytes"] > 0
+        assert a["last_step"][1] == b["last_step"][0]

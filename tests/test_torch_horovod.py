@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import horovodrun, read_timeline
+from conftest import check_loss_scaler_saw_fp16_overflow, horovodrun, read_timeline
 
 DTYPE_BYTES = {"int32": 4, "float32": 4}
 
@@ -73,12 +73,43 @@ def test_wire_bytes_match_statistics(run):
     assert sum(r["wire_bytes"] for r in w["per_rank"]) == allgather_bytes + size * allreduce_bytes
     ratio = w["per_rank"][0]["dense_bytes"] / w["per_rank"][0]["wire_bytes"]
     assert ratio > 20
+    # what each rank received: the allgather's output but its own input, and the allreduce's
+    # output (the size of its input)
+    assert sum(r["received_bytes"] for r in w["per_rank"]) == (
+        (size - 1) * allgather_bytes + size * allreduce_bytes)
+
+
+@pytest.mark.parametrize("mode", ["bucketed", "per_tensor", "gated"])
+def test_each_rank_receives_what_the_other_sent(run, mode):
+    """2 ranks: a rank receives the other's payloads (as the allgather returns them) and the
+    allreduce's result, which is the same size as its own input: so its received_bytes equal
+    the other rank's wire_bytes, per step and in total, in every exchange mode."""
+    w = run[0]["wire"]
+    per_rank = w["per_rank"] if mode == "bucketed" else w[mode]
+    for me, other in ((0, 1), (1, 0)):
+        a, b = per_rank[me], per_rank[other]
+        assert a["steps"] == 5 and a["received_bytes"] > 0
+        assert a["received_bytes"] == b["wire_bytes"]
+        assert a["last_step"][1] == b["last_step"][0]
+        assert a["received_ratio"] == pytest.approx(a["dense_bytes"] / a["received_bytes"])
+        assert a["ratio"] == pytest.approx(a["dense_bytes"] / a["wire_bytes"])
 
 
 def test_nonfinite_step_skipped_on_every_rank_state_clean(run):
     r = run[0]["nonfinite"]
     assert r["skipped"] == [False, False, False, True, False, False, False, False]
     assert r["states_finite"] and r["params_finite"] and r["identical"]
+
+
+def test_fp16_overflow_makes_grad_scaler_back_off_on_every_rank(run):
+    """wire_values="float16" with torch.amp.GradScaler at a loss scale too large for float16:
+    a step is skipped exactly when some rank's selected values overflowed (sent as ±inf), the
+    scale is halved identically on every rank until DGC's values fit, training then resumes,
+    and the replicas stay bit-identical with finite parameters, u and v."""
+    ranks, overflowed = check_loss_scaler_saw_fp16_overflow(run[0]["fp16_overflow"])
+    assert sum(rr["overflowed_entries"] for rr in ranks) == sum(overflowed) > 0
+    assert all(rr["nonfinite_tensors"] == 0 for rr in ranks)     # the gradients were finite
+    assert all("'fp16." in w for rr in ranks for w in rr["warnings"])   # names the tensor
 
 
 def test_momentum_in_both_places_is_an_error(run):

@@ -150,10 +150,13 @@ def test_example_trains_with_dgc(fresh):
     # one epoch of the 4,000 bundled digits: well above chance (10%)
     assert result["test_accuracy"] > 30.0, result
     assert result["ranks"] == 2 and result["compression"] == "dgc"
-    m = re.search(r"wire compression after warm-up: ([0-9.]+)x", out)
+    m = re.search(r"wire compression after warm-up: sent ([0-9.]+)x, received ([0-9.]+)x", out)
     assert m, out[-3000:]
     ratio = result["compression_ratio_after_warmup"]
     assert ratio > 1.0
+    # 2 ranks: each receives the other's payload, about what it sent
+    received = result["received_compression_ratio_after_warmup"]
+    assert received == pytest.approx(ratio, rel=0.2), (received, ratio)
     # density 0.001 from step 0 (--warmup-steps 0): far less traffic than dense fp32
     assert ratio > 100.0, ratio
     stats = result["dgc_total_stats"]

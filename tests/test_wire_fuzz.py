@@ -96,6 +96,8 @@ def spec_decode(words, numel, ranks):
             with np.errstate(all="ignore"):
                 for i, v in zip(idx, vals):
                     dense[i] += v
+            # a float16 ±inf is an overflow every rank must see (NaN: no finite value either)
+            nonfinite |= vcode == 1 and not bool(np.isfinite(vals).all())
         nonfinite |= bool(flags & 1)
         pos = end
     return (dense, nonfinite) if pos == words.size else None
@@ -146,13 +148,14 @@ def encode(numel, parts):
 
 
 def expected(numel, parts):
-    dense = np.zeros(numel, np.float32)
+    dense, overflow = np.zeros(numel, np.float32), False
     with np.errstate(all="ignore"):
         for idx, vals, _, _, values in parts:
             sent = vals.astype(np.float16).astype(np.float32) if values == "float16" else vals
+            overflow |= values == "float16" and not bool(np.isfinite(sent).all())
             for i, v in zip(idx, sent):
                 dense[i] += v
-    return dense, any(p[2] & wire.FLAG_NONFINITE for p in parts)
+    return dense, overflow or any(p[2] & wire.FLAG_NONFINITE for p in parts)
 
 
 # numel: small, or large enough for 16-bit index gaps with escapes (delta16 token 0)

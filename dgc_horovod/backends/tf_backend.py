@@ -106,7 +106,6 @@ class TFBackend(Backend):
         return tf.cast(tf.reshape(tf.bitcast(words, tf.float16), [-1])[:n], tf.float32)
 
     def to_fp16_and_back(self, x): return tf.cast(tf.cast(x, tf.float16), tf.float32)
-    def clamp(self, x, lo, hi): return tf.clip_by_value(x, lo, hi)
 
     def state_copy(self, x): return tf.identity(tf.convert_to_tensor(x))
     def generator_state(self, generator): return tf.identity(generator.state)

@@ -123,7 +123,6 @@ class TorchBackend(Backend):
         return words.contiguous().view(torch.float16)[:n].to(torch.float32)
 
     def to_fp16_and_back(self, x): return x.to(torch.float16).to(torch.float32)
-    def clamp(self, x, lo, hi): return x.clamp(lo, hi)
 
     def state_copy(self, x): return x.detach().clone()
     def generator_state(self, generator): return generator.get_state()     # a new ByteTensor

@@ -84,7 +84,6 @@ class Backend:
     def pack_fp16(self, x): raise NotImplementedError          # float32 -> float16 pairs in words
     def unpack_fp16(self, words, n): raise NotImplementedError  # -> n float32
     def to_fp16_and_back(self, x): raise NotImplementedError   # float32 rounded through float16
-    def clamp(self, x, lo, hi): raise NotImplementedError      # elementwise, new tensor
     # --- checkpoints (DGCCore.state_dict / load_state_dict); state is restored with float32_flat
     def state_copy(self, x): raise NotImplementedError         # copy of a state tensor, detached
                                                                # from later in-place updates
@@ -204,16 +203,20 @@ class NumpyBackend(Backend):
     def unpack16(self, words, n):
         return np.ascontiguousarray(words, dtype=np.int32).view(np.uint16)[:n].astype(np.int64)
 
+    # (a value beyond float16's range becomes ±inf, as in the other frameworks; the DGC core
+    # counts and reports it, so NumPy's own overflow warning is silenced)
     def pack_fp16(self, x):
         h = np.zeros(x.size + x.size % 2, dtype=np.float16)
-        h[:x.size] = x
+        with np.errstate(over="ignore"):
+            h[:x.size] = x
         return h.view(np.int32)
 
     def unpack_fp16(self, words, n):
         return np.ascontiguousarray(words, dtype=np.int32).view(np.float16)[:n].astype(np.float32)
 
-    def to_fp16_and_back(self, x): return x.astype(np.float16).astype(np.float32)
-    def clamp(self, x, lo, hi): return np.clip(x, lo, hi)
+    def to_fp16_and_back(self, x):
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float32)
 
     def state_copy(self, x): return np.array(x, dtype=np.float32, copy=True)
     def generator_state(self, generator): return copy.deepcopy(generator.bit_generator.state)

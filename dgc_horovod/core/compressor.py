@@ -47,6 +47,24 @@ float32 sum, so it also counts finite gradients whose sum overflows as non-finit
 tensor's sample draws (s uniforms, see sparsify.sample_count) are drawn, and dropped, in a
 non-finite step too, so the random stream depends only on which tensors are compressed: one
 compress_many call draws a bucket's samples at once, before it knows which gradients are finite.
+
+float16 wire values (``wire_values="float16"``) overflow as a dense float16 exchange does: the
+selected values are cast to float16 as they are, so one beyond float16's range (|v| >= 65520)
+is sent as ±inf (not clamped: a loss scaler must see it). Every rank then decodes a non-finite
+value, so the step is non-finite on every rank alike, as above: each rank gets NaN for that
+tensor, and the ranks that did not overflow put back the entries they sent. The rank that
+overflowed drops the tensor's state instead: its u and v restart at zero, as after an elastic
+reset (a one-off loss of that tensor's unsent gradient on that rank). A loss scaler (torch.amp
+GradScaler, Keras LossScaleOptimizer) therefore skips the step and backs off, and no NaN/Inf
+enters u or v. Why drop: backing off shrinks the next gradients, but u and v hold what was
+accumulated at the old scale; kept (even with only the overflowed entries removed), they
+overflow again at the next steps whatever the new scale (momentum decays by m per step only),
+and the scaler backs off step after step while training stands still. Values
+that float16 rounds to 0 (|v| <= 2**-25) are sent as 0 and stay in the residual. Both are
+counted in the statistics (``overflowed_entries``, ``flushed_entries``), each with a one-time
+warning naming the tensor. On the other ranks a skipped step's accumulation is kept (u and v
+hold this step's gradient; only the sent entries are put back): their state is not rolled back
+to before the step.
 """
 import threading
 import time
@@ -58,13 +76,14 @@ from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_l
                                          weight_decay_momentum)
 from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
-from dgc_horovod.core.stats import CompressionStats
+from dgc_horovod.core.stats import ADDED_FIELDS, CompressionStats
 from dgc_horovod.core.warmup import density_at, density_at_step
 from dgc_horovod.core import kernels, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
-_FP16_MAX = 65504.0
+#: The smallest magnitude a float16 cast rounds to ±inf (float16's largest value is 65504).
+FP16_OVERFLOW = 65520.0
 #: Bytes of the 1-element float32 placeholder a sparsified tensor sends through the stock allreduce.
 PLACEHOLDER_BYTES = 4
 
@@ -79,16 +98,23 @@ EPOCH_CALL_CHECK_STEPS = 1000
 _MISSING = object()
 
 
+def _allreduced_bytes(st):
+    """Bytes Horovod's allreduce carries for tensor st in a step, each way: the 1-element float32
+    placeholder of a sparsified tensor, the whole float32 velocity of a dense one."""
+    return PLACEHOLDER_BYTES if st.sparse else 4 * st.numel
+
+
 def _stats_dict(stats):
     return {k: getattr(stats, k) for k in CompressionStats.__slots__}
 
 
 def _stats_from(d, key):
-    if not isinstance(d, dict) or set(d) != set(CompressionStats.__slots__):
+    fields = set(CompressionStats.__slots__)
+    if not isinstance(d, dict) or not fields - set(ADDED_FIELDS) <= set(d) <= fields:
         raise ValueError(f"DGC state_dict {key!r} must be a dict of the CompressionStats fields "
                          f"{', '.join(CompressionStats.__slots__)}")
     out = CompressionStats()
-    for k in CompressionStats.__slots__:
+    for k in d:                 # counters added since the checkpoint was written stay 0
         setattr(out, k, d[k])
     return out
 
@@ -411,17 +437,18 @@ class DGCCore:
                              f"created for {st.numel}")
         return st
 
-    def _count(self, st, selected, wire_bytes, nonfinite, seconds, density=None):
+    def _count(self, st, selected, wire_bytes, nonfinite, seconds, density=None, fp16=(0, 0)):
         row = (st, selected, wire_bytes, nonfinite, seconds,
-               self.density if density is None else density)
+               self.density if density is None else density, fp16)
         if self._deferred is not None:           # inside compress_many: counted in entry order
             self._deferred.append(row)
         else:
             self._count_rows((row,))
 
     def _count_rows(self, rows):
-        """Add rows [(st, selected, wire_bytes, nonfinite, seconds, density)], in order, to the
-        statistics: a tensor seen again in this step starts a new step."""
+        """Add rows [(st, selected, wire_bytes, nonfinite, seconds, density, (overflowed,
+        flushed))], in order, to the statistics: a tensor seen again in this step starts a new
+        step."""
         names, seg = self._step_names, []
         for row in rows:
             name = row[0].name
@@ -448,19 +475,25 @@ class DGCCore:
         self._add_totals(len(seg), sum(int(r[0].sparse) for r in seg),
                          sum(r[0].numel for r in seg), sum(r[1] for r in seg),
                          sum(r[2] for r in seg), sum(int(r[3]) for r in seg),
-                         sum(r[4] for r in seg), seg[-1][5])
+                         sum(r[4] for r in seg), seg[-1][5],
+                         sum(_allreduced_bytes(r[0]) for r in seg),
+                         sum(r[6][0] for r in seg), sum(r[6][1] for r in seg))
 
     def _add_totals(self, tensors, sparse, elements, selected, wire_bytes, nonfinite, seconds,
-                    density):
-        """Add a run of tensors of the current step to step_stats and total_stats."""
+                    density, received, overflowed=0, flushed=0):
+        """Add a run of tensors of the current step to step_stats and total_stats (received:
+        what Horovod's allreduce returns for them, :func:`_allreduced_bytes`)."""
         for s in (self.step_stats, self.total_stats):
             s.tensors += tensors
             s.sparse_tensors += sparse
             s.elements += elements
             s.selected += selected
             s.wire_bytes += wire_bytes
+            s.received_bytes += received
             s.dense_bytes += 4 * elements
             s.nonfinite_tensors += nonfinite
+            s.overflowed_entries += overflowed
+            s.flushed_entries += flushed
             s.compress_seconds += seconds
             s.density = density
 
@@ -806,7 +839,7 @@ class DGCCore:
             st = batch.rows[r][0]
             payload, start, count, words = done
             counts[i] = ((st, count, 4 * words + PLACEHOLDER_BYTES, False, share * st.numel,
-                          density),)
+                          density, (0, 0)),)
             results[i] = ("sparse", payload, _BatchContext(
                 st.name, st.numel, batch, start, count, masked))
         batch.release()                  # the contexts keep only the output buffers
@@ -833,7 +866,8 @@ class DGCCore:
         names.update(st.name for st in sts)
         n = sum(st.numel for st in sts)
         self._add_totals(len(sts), len(sts), n, sum(counts),
-                         4 * sum(words) + PLACEHOLDER_BYTES * len(sts), 0, share * n, density)
+                         4 * sum(words) + PLACEHOLDER_BYTES * len(sts), 0, share * n, density,
+                         PLACEHOLDER_BYTES * len(sts))
 
     def _check_args(self, name, grad, param):
         """The argument checks of :meth:`compress` that need no state: dtype, and a parameter
@@ -905,27 +939,68 @@ class DGCCore:
         vals = B.take(st.v, idx)
         u_sent = B.take(st.u, idx) if (c.momentum_masking and st.u is not None) else None
         clear_sent(B, st.u, st.v, idx, c.momentum_masking)
-        sent = vals
+        sent, fp16 = vals, (0, 0)
         if c.wire_values == "float16":
-            # what the receivers will see; the rounding (and clipping at the fp16 range)
-            # error stays in the residual: error feedback for the quantization too
-            sent = B.to_fp16_and_back(B.clamp(vals, -_FP16_MAX, _FP16_MAX))
-            B.scatter_(st.v, idx, vals - sent)
+            sent, vals, u_sent, fp16 = self._to_fp16(st, idx, vals, u_sent)
         payload = self._encode(st.numel, idx, sent)
         count = B.numel(idx)
         self._count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
-                    time.perf_counter() - t0)
-        return "sparse", payload, SparseContext(st.name, st.numel, idx, vals, u_sent)
+                    time.perf_counter() - t0, fp16=fp16)
+        return "sparse", payload, SparseContext(st.name, st.numel, None if vals is None else idx,
+                                                vals, u_sent)
+
+    def _to_fp16(self, st, idx, vals, u_sent):
+        """``wire_values="float16"``, after clear_sent: (the values to send, rounded through
+        float16 as a plain cast rounds them; the values and u_sent decompress puts back after a
+        non-finite step, or None, None: nothing to put back; (overflowed, flushed) counts). The
+        rounding error stays in the residual (error feedback for the quantization too). On an
+        overflow the tensor's u and v are dropped (see the module docstring)."""
+        B = self.B
+        sent = B.to_fp16_and_back(vals)
+        overflowed = B.numel(vals) - B.count_true(B.abs(sent) != float("inf"))
+        flushed = B.count_true((sent == 0.0) & (vals != 0.0))
+        if flushed:
+            self._warn_once("fp16_flush", (
+                f"DGC: wire_values='float16': {flushed} selected non-zero value(s) of "
+                f"{st.name!r} are below float16's range (|v| <= 2**-25) and are sent as 0 (they "
+                "stay in the residual). Further ones are counted in stats.flushed_entries. A "
+                "larger loss scale, or wire_values='float32', sends them"))
+        if overflowed:
+            self._warn_once("fp16_overflow", (
+                f"DGC: wire_values='float16': {overflowed} selected value(s) of {st.name!r} "
+                f"exceed float16's range (|v| >= {FP16_OVERFLOW:g}; its largest value is 65504) "
+                "and are sent as ±inf, as a float16 cast does: every rank gets a non-finite "
+                "update for this step, which a loss scaler skips (then backing off its scale), "
+                "and this rank drops the tensor's DGC state (u and v restart at zero). Further "
+                "overflows are counted in stats.overflowed_entries. Use a smaller loss scale, "
+                "or wire_values='float32'"))
+            for t in (st.u, st.v):
+                if t is not None:
+                    B.mul_(t, 0.0)
+            return sent, None, None, (overflowed, flushed)
+        B.scatter_(st.v, idx, vals - sent)
+        return sent, vals, u_sent, (overflowed, flushed)
 
     def _encode(self, numel, idx, vals, flags=0):
         return wire.encode(self.B, numel, idx, vals, flags, self.config.wire_index,
                            self.config.wire_values)
 
-    def add_wire_bytes(self, nbytes):
-        """Count framing bytes sent outside a tensor's payload (bucket headers) in the stats."""
+    def add_wire_bytes(self, nbytes, received=0):
+        """Count bytes sent outside a tensor's payload in the stats: bucket framing, or the
+        placeholders of Horovod's allreduce for tensors DGC allreduces itself (which that
+        allreduce also returns: pass them as ``received`` too)."""
         with self._lock:
-            self.step_stats.wire_bytes += nbytes
-            self.total_stats.wire_bytes += nbytes
+            for s in (self.step_stats, self.total_stats):
+                s.wire_bytes += nbytes
+                s.received_bytes += received
+
+    def count_allgather(self, output_words, input_words):
+        """Count what this rank received by one allgather of int32 words in the stats: Horovod's
+        allgather returns every rank's input concatenated, so the rank received the output but
+        its own input (``output_words - input_words`` words)."""
+        with self._lock:
+            for s in (self.step_stats, self.total_stats):
+                s.received_bytes += 4 * (output_words - input_words)
 
     def decompress(self, gathered, ctx, world_size, average=True, ranks=None):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.
@@ -938,7 +1013,9 @@ class DGCCore:
                 nothing for this tensor in a bucket).
         Returns:
             flat float32 tensor of ctx.numel elements, identical on every rank; all NaN if any
-            rank's gradient was non-finite (this rank's sent entries are then put back into v).
+            rank's gradient was non-finite or any rank sent a non-finite value (float16
+            overflow); this rank's sent entries are then put back into v (and u), unless it
+            overflowed itself (its state of the tensor was dropped, see the module docstring).
         Raises:
             WireFormatError: a malformed payload (names tensor and rank).
         """

@@ -207,8 +207,13 @@ class DGCConfig:
             "delta16" (default; the paper's 16-bit run lengths with an escape for long gaps,
             ~2 bytes per entry) or "int32" (4 bytes per entry).
         wire_values (str): "float32" (default, exact) or "float16" (half the value bytes; the
-            rounding error stays in the residual, so it is delayed, not lost; magnitudes above
-            65504 are sent as 65504 and the rest stays in the residual too).
+            rounding error stays in the residual, so it is delayed, not lost). A value beyond
+            float16's range is sent as ±inf, as a float16 cast makes it: the step's update is
+            then non-finite on every rank, so a loss scaler skips the step and backs off, and the
+            rank that overflowed drops that tensor's u and v; values below float16's range are
+            sent as 0 and stay in the residual. Both are counted (``stats.overflowed_entries``,
+            ``stats.flushed_entries``) and warned about once (see
+            :mod:`dgc_horovod.core.compressor`).
 
         environ (mapping or None): where the ``HOROVOD_DGC_*`` variables are read; None (the
             default) reads ``os.environ``, ``{}`` ignores the environment.

@@ -19,7 +19,8 @@ Format ``DGC v2``: one flat int32 tensor per gradient tensor per rank, in native
                  up to 2**31, is encoded exactly). The paper's "16-bit run lengths of zeros".
     then     value section, padded to whole words, in the order of the indices:
                FP32: c words (IEEE-754 float32 bit patterns);  FP16: ceil(c/2) words, two
-               IEEE-754 float16 values per word, low half first
+               IEEE-754 float16 values per word, low half first (±inf: a value beyond float16's
+               range, sent so that every rank sees the overflow: decode_sum reports it non-finite)
 
 Bytes: 20 + 4·(index words + value words); e.g. delta16 + fp32 ≈ 20 + 6c, int32 + fp32 = 20 + 8c,
 delta16 + fp16 ≈ 20 + 4c. Every payload describes its own encoding, so decoding never depends on
@@ -125,7 +126,8 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None):
             is appended to it: together they are every position that may be non-zero.
     Returns:
         (dense, nonfinite): flat float32 tensor of numel elements (the sum, not the mean), and
-        True if any rank flagged a non-finite gradient.
+        True if any rank flagged a non-finite gradient or sent a float16 value beyond float16's
+        range (±inf).
     Raises:
         WireFormatError: wrong magic/version or encoding code, wrong numel, truncated or
             over-long payload, or an index out of range; the message names tensor and rank.
@@ -176,6 +178,8 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None):
                 _fail(name, rank, f"has index {lo if lo < 0 else hi} outside [0, {numel})")
             vw = B.slice(gathered, start + idx_words, end)
             vals = B.bits_float32(vw) if values == "float32" else B.unpack_fp16(vw, c)
+            if values == "float16":                 # ±inf: a value beyond float16's range
+                nonfinite = nonfinite or not B.all_finite(vals)
             B.index_add_(dense, idx, vals)
             if positions is not None:
                 positions.append(idx)

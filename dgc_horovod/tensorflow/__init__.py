@@ -171,7 +171,7 @@ class DGC(DGCAdapter, Compressor):
     def __init__(self, config=None, **kwargs):
         super().__init__(config, TFBackend(), **kwargs)
         self._names = {}        # variable ref -> unique state name
-        self._pending = {}      # state name -> SparseContext between compress and decompress
+        self._pending = {}      # state name -> (SparseContext, payload words) until decompress
         self._checked_models = set()    # model signatures already compared across ranks
         self._warned_single = False
         self._scale = None      # (grads list, graph, clip factor tensor) of the traced step
@@ -238,7 +238,7 @@ class DGC(DGCAdapter, Compressor):
             kind, out, ctx = core.compress(name, grad, world, param, average,
                                            float(clip_scale) if core.needs_clip_scale else None)
             if kind == "sparse":
-                pending[name] = ctx
+                pending[name] = (ctx, core.B.numel(out))       # and the allgather's input size
             return tf.convert_to_tensor(out)
 
         param = var if core.needs_param else tf.zeros([0])
@@ -299,7 +299,9 @@ class DGC(DGCAdapter, Compressor):
         _, world, average, gathered = info
 
         def run_decompress(g, _placeholder, param):
-            out = core.decompress(g, pending.pop(name), world, average)
+            ctx, words = pending.pop(name)
+            core.count_allgather(core.B.numel(g), words)
+            out = core.decompress(g, ctx, world, average)
             if separate_wd:
                 out = core.apply_weight_decay(name, out, param)
             return tf.convert_to_tensor(out)
@@ -351,8 +353,9 @@ class DGCWarmupCallback(_keras_for_callback.callbacks.Callback):
     default (``warmup_epochs=None``) DGC counts its own optimizer steps (``warmup_steps``) and
     needs no callback; this one then leaves the warm-up alone (it does not call ``set_epoch``,
     which would only warn that it has no effect). Either way ``on_epoch_end`` adds
-    ``dgc_density`` (the density in force) and ``dgc_ratio`` (this rank's wire compression over
-    the epoch) to the logs."""
+    ``dgc_density`` (the density in force), ``dgc_ratio`` and ``dgc_received_ratio`` (this rank's
+    wire compression over the epoch: dense bytes over the bytes it sent, and over the bytes it
+    received) to the logs."""
 
     def __init__(self, dgc):
         super().__init__()
@@ -367,7 +370,8 @@ class DGCWarmupCallback(_keras_for_callback.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None and self._start is not None:
             logs["dgc_density"] = self.dgc.density
-            logs["dgc_ratio"] = self.dgc.total_stats.since(self._start).ratio
+            stats = self.dgc.total_stats.since(self._start)
+            logs["dgc_ratio"], logs["dgc_received_ratio"] = stats.ratio, stats.received_ratio
 
 
 # Horovod-style entry point and TensorBoard logging --------------------------------------------
@@ -398,8 +402,9 @@ class DGCTensorBoardCallback(_keras_for_callback.callbacks.Callback):
     """Keras callback: write each epoch's DGC statistics as TensorBoard scalars.
 
     At the end of every epoch it writes ``prefix + name`` for name in
-    :data:`dgc_horovod.summary.STATS_SCALARS` (density, ratio, selected, wire_bytes,
-    dense_bytes, compress_seconds, nonfinite_tensors), counted over that epoch for this rank, at
+    :data:`dgc_horovod.summary.STATS_SCALARS` (density, ratio, received_ratio, selected,
+    wire_bytes, received_bytes, dense_bytes, compress_seconds, nonfinite_tensors,
+    overflowed_entries, flushed_entries), counted over that epoch for this rank, at
     step ``epoch`` (0-based, as Keras's own ``TensorBoard`` callback does for its ``epoch_*``
     scalars, so both line up). Add it on rank 0 only::
 

@@ -442,8 +442,9 @@ def log_stats(writer, dgc, step, since=None, prefix="dgc/"):
         prefix (str): tag prefix.
 
     Writes ``prefix + name`` for name in :data:`dgc_horovod.summary.STATS_SCALARS` (density,
-    ratio, selected, wire_bytes, dense_bytes, compress_seconds, nonfinite_tensors); returns the
-    dict of values written. Example::
+    ratio and received_ratio (dense bytes over the bytes sent / received), selected, wire_bytes,
+    received_bytes, dense_bytes, compress_seconds, nonfinite_tensors, overflowed_entries,
+    flushed_entries); returns the dict of values written. Example::
 
         start = dgc.total_stats.copy()
         ...train one epoch...

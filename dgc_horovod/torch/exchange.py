@@ -44,11 +44,12 @@ class _Launch:
     ``error`` what compressing or starting it raised, if it failed.
     """
 
-    __slots__ = ("entries", "world_size", "average", "handle", "parts", "error")
+    __slots__ = ("entries", "world_size", "average", "handle", "parts", "error", "words")
 
     def __init__(self):
         self.entries, self.world_size, self.average = {}, None, True
         self.handle = self.parts = self.error = None
+        self.words = 0          # int32 words of this rank's segment (the allgather's input)
 
 
 class _Gate:
@@ -163,7 +164,7 @@ class Exchange:
         handle = hvd.allgather_async(payload, name="dgc." + name, process_set=process_set)
         with self._lock:
             self._outstanding += 1
-        return handle
+        return ("tensor", handle, payload.numel())
 
     def defer(self, opt, name, grad, param, process_set, pending):
         """Bucketed mode: record a sparsified gradient (checked already) in its bucket.
@@ -229,8 +230,9 @@ class Exchange:
             kind, out, _ = core.compress(name, grad, world, param, gate.average, scale)
             pending.core_ctx = hvd.allreduce_async(out, name="dgc.dense." + name, op=op,
                                                    process_set=ps)
-        # Horovod's own allreduce carried a placeholder for each of them too
-        core.add_wire_bytes(PLACEHOLDER_BYTES * len(gate.dense))
+        # Horovod's own allreduce carried (both ways) a placeholder for each of them too
+        placeholders = PLACEHOLDER_BYTES * len(gate.dense)
+        core.add_wire_bytes(placeholders, received=placeholders)
         gate.dense = None
 
     def _start(self, bucket, process_set, clip_scale=None):
@@ -262,6 +264,7 @@ class Exchange:
         framed = list(zip(members, payloads))
         segment = wire.frame_bucket(self._core.B, framed, like=payloads[0])
         launch.handle = hvd.allgather_async(segment, name=bucket.name, process_set=process_set)
+        launch.words = segment.numel()
         # the member words and the header, counted after the payloads (compress_many counts a
         # step's first tensor, which starts the step's statistics)
         self._core.add_wire_bytes(4 * len(framed) + wire.BUCKET_HEADER_BYTES)
@@ -272,10 +275,13 @@ class Exchange:
         In bucketed mode, compresses and starts the tensor's bucket first if it is still
         incomplete (a member without a gradient this step, e.g. a sparse-gradient embedding).
         """
-        if not isinstance(ticket, tuple):
+        if ticket[0] == "tensor":                           # per-tensor mode
+            _, handle, words = ticket
             with self._lock:
                 self._outstanding -= 1
-            return hvd.synchronize(ticket), world_size
+            gathered = hvd.synchronize(handle)
+            self._core.count_allgather(gathered.numel(), words)
+            return gathered, world_size
         if ticket[0] == "dense":                            # gated: DGC's own allreduce
             _, gate, pending = ticket
             with self._lock:
@@ -294,7 +300,9 @@ class Exchange:
                     raise launch.error
                 self._start(bucket, process_set)
             if launch.parts is None:
-                launch.parts = wire.split_bucket(self._core.B, hvd.synchronize(launch.handle),
-                                                 world_size, len(bucket.members), bucket.name)
+                gathered = hvd.synchronize(launch.handle)
+                self._core.count_allgather(gathered.numel(), launch.words)
+                launch.parts = wire.split_bucket(self._core.B, gathered, world_size,
+                                                 len(bucket.members), bucket.name)
         parts = launch.parts[member]
         return (self._core.B.cat(parts) if parts else parts), len(parts)

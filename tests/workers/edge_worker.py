@@ -110,6 +110,18 @@ def scenario_train(name, dtype=torch.float32, sparse=False, **opt_kw):
     return record(model, dgc, before, name, {"grad_kinds": sorted(grad_kinds)})
 
 
+def scaler_step(model, opt, scaler, loss):
+    """One step of the documented GradScaler pattern (README); True when the parameters moved."""
+    scaler.scale(loss).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    before = flat(model).clone()
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    return bool((flat(model) != before).any())
+
+
 def scenario_amp(name):
     """scaler.scale(loss).backward(); opt.synchronize(); scaler.unscale_(opt);
     with opt.skip_synchronize(): scaler.step(opt); scaler.update() -- rank 1 overflows at step 3."""
@@ -123,14 +135,7 @@ def scenario_amp(name):
         loss = F.cross_entropy(logits.float(), y)
         if step == 3 and hvd.rank() == 1:
             loss = loss * 1e38                   # scaled by 2**10: inf gradients on rank 1 only
-        scaler.scale(loss).backward()
-        opt.synchronize()
-        scaler.unscale_(opt)
-        before = flat(model).clone()
-        with opt.skip_synchronize():
-            scaler.step(opt)
-        scaler.update()
-        stepped.append(bool((flat(model) != before).any()))
+        stepped.append(scaler_step(model, opt, scaler, loss))
         scales.append(float(scaler.get_scale()))
     every = hvd.allgather_object({"scales": scales, "stepped": stepped})
     before0 = [p.detach().float() for p in model.parameters()]     # only for the record's shape

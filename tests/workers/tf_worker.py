@@ -115,7 +115,9 @@ def scenario_wire(results):
     train_tape(model, dgc, steps=5)
     st = dgc.total_stats
     per_rank = hvd.allgather_object({"wire_bytes": st.wire_bytes, "dense_bytes": st.dense_bytes,
-                                     "steps": st.steps})
+                                     "received_bytes": st.received_bytes, "steps": st.steps,
+                                     "last_step": [dgc.stats.wire_bytes,
+                                                   dgc.stats.received_bytes]})
     results["wire"] = {"per_rank": per_rank,
                        "numel": {n: s.numel for n, s in dgc.states.items()},
                        **states_info(dgc)}
@@ -139,6 +141,46 @@ def scenario_nonfinite(results):
                  for t in (s.u, s.v) if t is not None)
     results["nonfinite"] = {"skipped": skipped, "states_finite": finite,
                             "identical": identical(model)}
+
+
+def scenario_fp16_overflow(results, steps=12):
+    """wire_values="float16" with tf-keras's LossScaleOptimizer at a loss scale too large for
+    float16 (2**24): DGC's overflowing values must make it skip the step and back off."""
+    import warnings
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024,
+              wire_values="float16")
+    model = make_model()
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    opt = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD(LR),
+                                                      initial_scale=2.0 ** 24)
+
+    @tf.function
+    def grads_of(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                y, model(x), from_logits=True))
+            scaled = opt.get_scaled_loss(loss)
+        tape = hvd.DistributedGradientTape(tape, compression=dgc)
+        return opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+
+    scales, stepped, overflowed = [], [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(steps, 300 + hvd.rank()):
+            grads = grads_of(x, y)
+            before = flat(model).numpy()
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            stepped.append(bool((flat(model).numpy() != before).any()))
+            scales.append(float(opt.loss_scale))
+            overflowed.append(dgc.stats.overflowed_entries)
+    finite = all(bool(tf.reduce_all(tf.math.is_finite(t))) for s in dgc.states.values()
+                 for t in (s.u, s.v) if t is not None)
+    every = hvd.allgather_object({
+        "scales": scales, "stepped": stepped, "overflowed": overflowed, "states_finite": finite,
+        "warnings": [str(w.message) for w in caught if "float16" in str(w.message)]})
+    results["fp16_overflow"] = {"ranks": every, "identical": identical(model),
+                                "params_finite": bool(tf.reduce_all(tf.math.is_finite(
+                                    flat(model))))}
 
 
 def train_reference(model, steps, transform, momentum=0.0):
@@ -225,7 +267,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenarios", default="identical,equivalence,indexed_slices,nonfinite,"
-                    "keras_fit,keras_momentum_twice,semantics",
+                    "keras_fit,keras_momentum_twice,semantics,fp16_overflow",
                     help="comma-separated scenario names")
     args = ap.parse_args()
     hvd.init()

@@ -206,16 +206,28 @@ def scenario_equivalence(results, prefix_base):
 
 
 def scenario_wire(results, prefix):
-    """Per-rank statistics, to be compared with the Horovod timeline by the test."""
+    """Per-rank statistics, to be compared with the Horovod timeline by the test; then the same
+    counters in the other two exchange modes (one allgather per tensor; the gated exchange of
+    global clipping), under other names so that the timeline check sees only the first."""
+    def counters(dgc):
+        st, last = dgc.total_stats, dgc.stats
+        return hvd.allgather_object({
+            "wire_bytes": st.wire_bytes, "received_bytes": st.received_bytes,
+            "dense_bytes": st.dense_bytes, "selected": st.selected, "steps": st.steps,
+            "ratio": st.ratio, "received_ratio": st.received_ratio,
+            "last_step": [last.wire_bytes, last.received_bytes]})
+
     dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
     model, opt = make(prefix, dgc)
     train(model, opt, steps=5, aux_every=1)
-    st = dgc.total_stats
-    per_rank = hvd.allgather_object({"wire_bytes": st.wire_bytes, "dense_bytes": st.dense_bytes,
-                                     "selected": st.selected, "steps": st.steps})
     sparse = sorted(n for n, s in dgc.states.items() if s.sparse)
-    results["wire"] = {"per_rank": per_rank, "sparse": sparse,
+    results["wire"] = {"per_rank": counters(dgc), "sparse": sparse,
                        "numel": {n: s.numel for n, s in dgc.states.items()}}
+    for mode, kw in (("per_tensor", dict(bucket_numel=0)), ("gated", dict(clip_norm=1.0))):
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024, **kw)
+        model, opt = make(f"{prefix}_{mode}", dgc)
+        train(model, opt, steps=5, aux_every=1)
+        results["wire"][mode] = counters(dgc)
 
 
 def scenario_nonfinite(results, prefix):
@@ -242,6 +254,35 @@ def scenario_nonfinite(results, prefix):
                             "identical": identical_across_ranks(model),
                             "params_finite": bool(torch.isfinite(flat_params(model)).all()),
                             "nonfinite_tensors": dgc.total_stats.nonfinite_tensors}
+
+
+def scenario_fp16_overflow(results, prefix, steps=16):
+    """wire_values="float16" under the documented GradScaler pattern, the loss scale too large
+    for float16 (2**24): DGC's selected values overflow, the scaler must see it, skip the steps
+    and back off until they fit; the replicas stay bit-identical, u and v finite."""
+    import warnings
+    from edge_worker import scaler_step           # the documented GradScaler pattern
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024,
+              wire_values="float16")
+    model, opt = make(prefix, dgc)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    scales, stepped, overflowed = [], [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(steps, 300 + hvd.rank()):
+            opt.zero_grad()
+            stepped.append(scaler_step(model, opt, scaler, F.cross_entropy(model(x), y)))
+            scales.append(float(scaler.get_scale()))
+            overflowed.append(dgc.stats.overflowed_entries)
+    states_finite = all(bool(torch.isfinite(t).all()) for s in dgc.states.values()
+                        for t in (s.u, s.v) if t is not None)
+    every = hvd.allgather_object({
+        "scales": scales, "stepped": stepped, "overflowed": overflowed,
+        "overflowed_entries": dgc.total_stats.overflowed_entries,
+        "nonfinite_tensors": dgc.total_stats.nonfinite_tensors, "states_finite": states_finite,
+        "warnings": [str(w.message) for w in caught if "float16" in str(w.message)]})
+    results["fp16_overflow"] = {"ranks": every, "identical": identical_across_ranks(model),
+                                "params_finite": bool(torch.isfinite(flat_params(model)).all())}
 
 
 def scenario_momentum_twice(results, prefix):
@@ -328,6 +369,7 @@ def main():
     scenario_equivalence(results, "eq")
     scenario_wire(results, "wire")
     scenario_nonfinite(results, "nf")
+    scenario_fp16_overflow(results, "fp16")
     scenario_momentum_twice(results, "mt")
     scenario_model_mismatch(results, "mm")
     scenario_misuse(results, "mu")
