@@ -156,6 +156,12 @@ class DGCAdapter:
         Raises:
             ValueError: a different config (names the differing keys); a different world size or
                 rank without ``reset_residuals`` (residuals are per rank); a malformed dict.
+                At the first step after the load (from ``loss.backward()`` / the gradient
+                reduction): a checkpoint that does not fit the model, i.e. saved tensor states
+                whose names match none of the optimizer's parameters, or parameters without a
+                saved state (e.g. saved under a renamed or wrapped module); the message names a
+                few of each. ``reset_residuals=True`` loads such a checkpoint without its
+                residuals.
         """
         world, rank = self._job(process_set)
         self._core.load_state_dict(state_dict, world_size=world, rank=rank,

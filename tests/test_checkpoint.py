@@ -93,6 +93,36 @@ def test_load_errors_under_horovod(resumed):
         assert msg and f"saved by rank {1 - rank}" in msg and f"loaded on rank {rank}" in msg
 
 
+NAMES = ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+
+
+def test_checkpoint_of_other_names_is_refused_at_the_first_step(resumed):
+    """Saved under 'fc1.weight', ..., loaded into a model Horovod names 'module.fc1.weight', ...
+    (a wrapped module): the first step raises on every rank, naming both kinds, and changes
+    nothing; reset_residuals=True is the way out, and no stale name reaches a later checkpoint."""
+    for rr in resumed[2]["ranks"]:
+        msg = rr["renamed_error"]
+        assert msg is not None, "a checkpoint of other names was accepted"
+        assert "does not fit" in msg and "reset_residuals=True" in msg
+        assert "4 saved tensor state(s) match no parameter" in msg
+        assert "'fc1.bias', 'fc1.weight', 'fc2.bias' and 1 more" in msg
+        assert "4 parameter(s) have no saved state ('module.fc1.bias'" in msg
+        assert rr["renamed_params_unchanged"]
+        assert rr["renamed_states_after_error"] == NAMES and rr["renamed_steps_after_error"] == 6
+        assert rr["renamed_reset_saved_tensors"] == ["module." + n for n in NAMES]
+
+
+def test_checkpoint_missing_a_parameter_is_refused_at_the_first_step(resumed):
+    for rr in resumed[2]["ranks"]:
+        msg = rr["missing_error"]
+        assert msg is not None, "a checkpoint without fc2.bias's state was accepted"
+        assert "1 parameter(s) have no saved state ('fc2.bias')" in msg
+        assert "match no parameter" not in msg
+        assert rr["missing_params_unchanged"]
+        assert rr["missing_states_after_error"] == ["fc1.bias", "fc1.weight", "fc2.weight"]
+        assert rr["missing_reset_saved_tensors"] == NAMES
+
+
 def test_other_world_size_refused_then_reset_residuals(resumed):
     """One process (world size 1) loads rank 0's file of the 2-rank job."""
     d, _, _, extra = resumed
@@ -267,8 +297,8 @@ def test_torch_save_load_round_trip_is_exact(tmp_path):
     assert_same_state(core, again)
 
 
-def trained_state(world_size=2, rank=0):
-    core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
+def trained_state(world_size=2, rank=0, backend="numpy"):
+    core = DGCCore(DGCConfig(**CFG), BACKENDS[backend])
     run_steps([core], 0, 4)
     return core.state_dict(world_size=world_size, rank=rank)
 
@@ -327,6 +357,42 @@ def test_malformed_state_dict_is_refused_without_change(corrupt, match):
     with pytest.raises(ValueError, match=match):
         core.load_state_dict(sd, world_size=2, rank=0)
     assert untouched(core)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_loaded_names_are_checked_against_the_model_at_the_first_step(backend):
+    """check_fit (what the adapters call with every parameter's name) refuses loaded states that
+    match no parameter; compress refuses a tensor without a loaded state; neither changes
+    anything; once the first step after the load has completed, nothing is checked any more."""
+    B = BACKENDS[backend]
+    sd = trained_state(backend=backend)          # tensors w, b, s
+    core = DGCCore(DGCConfig(**CFG), B)
+    core.load_state_dict(sd, world_size=2, rank=0)
+    assert core.fit_pending
+    with pytest.raises(ValueError, match=r"3 saved tensor state\(s\) match no parameter of the "
+                       r"optimizer \('b', 's', 'w'\); 3 parameter\(s\) have no saved state "
+                       r"\('m\.b', 'm\.s', 'm\.w'\).*reset_residuals=True"):
+        core.check_fit(["m.w", "m.b", "m.s"])
+    core.check_fit(["w", "b", "s", "frozen"])    # a parameter DGC never compresses is fine
+    g = grads(4, 0)
+    v_before = to_np(core.states["w"].v)
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) have no saved state \('new'\)"):
+        core.compress("new", to_backend(B, g["w"]), 2)
+    with pytest.raises(ValueError, match=r"\('new'\)"):
+        core.compress_many([("w", to_backend(B, g["w"]), None),
+                            ("new", to_backend(B, g["b"]), None)], 2)
+    assert set(core.states) == {"w", "b", "s"} and core.steps == 4
+    assert np.array_equal(to_np(core.states["w"].v), v_before)
+    run_steps([core], 4, 5)                      # the first step after the load
+    assert core.fit_pending                      # (complete once the next one begins)
+    run_steps([core], 5, 6)
+    assert not core.fit_pending
+    core.check_fit(["other"])
+    core.compress("new", to_backend(B, g["w"]), 2)   # e.g. a layer trained from now on
+    fresh = DGCCore(DGCConfig(**CFG), B)
+    fresh.load_state_dict(sd, world_size=2, rank=0, reset_residuals=True)
+    assert not fresh.fit_pending
+    fresh.check_fit(["m.w"])
 
 
 def test_state_dict_without_the_newer_counters_loads():

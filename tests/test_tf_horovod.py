@@ -54,6 +54,18 @@ def test_fp16_overflow_makes_loss_scale_optimizer_back_off_on_every_rank(run):
     assert all("'fc" in w for rr in ranks for w in rr["warnings"])       # names the tensor
 
 
+def test_checkpoint_of_other_names_is_refused_at_the_first_step(run):
+    r = run["checkpoint_misfit"]
+    msg = r["error_False"]
+    assert msg is not None and "does not fit" in msg and "reset_residuals=True" in msg, msg
+    assert "'fc1/bias:0', 'fc1/kernel:0', 'fc2/bias:0' and 1 more" in msg
+    assert "'head1/bias:0'" in msg
+    assert not r["changed_False"]
+    assert r["saved_False"] == ["fc1/bias:0", "fc1/kernel:0", "fc2/bias:0", "fc2/kernel:0"]
+    assert r["error_True"] is None and r["changed_True"]
+    assert r["saved_True"] == ["head1/bias:0", "head1/kernel:0", "head2/bias:0", "head2/kernel:0"]
+
+
 def test_keras_fit_with_warmup_callback(run):
     r = run["keras_fit"]
     assert r["identical"] and r["steps"] == 3 * 128 // 16

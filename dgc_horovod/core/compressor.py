@@ -200,6 +200,10 @@ class DGCCore:
         self._steps = 0         # optimizer steps begun (the warm-up position counts them)
         self._epoch_set = False
         self._warned = set()
+        # after load_state_dict: the loaded tensor names, checked against the model's until the
+        # first step after the load has completed (check_fit); None when nothing is to check
+        self._fit = None
+        self._fit_began = False
 
     # ----------------------------------------------------------------- warm-up
     @property
@@ -231,6 +235,8 @@ class DGCCore:
         since the last load / set_step)."""
         if not self._step_names or name in self._step_names:
             self._steps += 1
+            if self._fit is not None:          # the first step after a load has completed
+                self._fit, self._fit_began = (None if self._fit_began else self._fit), True
             c = self.config
             if (c.warmup_epochs is not None and not self._epoch_set
                     and self._steps > EPOCH_CALL_CHECK_STEPS
@@ -329,6 +335,11 @@ class DGCCore:
             ValueError: a different config (the message names the differing keys), a different
                 world size or rank (without reset_residuals), or a malformed state dict.
             TypeError: state_dict is not a dict.
+
+        The tensor names are checked against the model's at the first step after the load (the
+        adapter knows the model then): a loaded state whose name matches no parameter, or a
+        parameter compressed without a loaded state, raises a ValueError there naming a few of
+        each (:meth:`check_fit`), until the checkpoint is loaded with reset_residuals=True.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"DGC state_dict must be a dict, got {type(state_dict).__name__}")
@@ -385,6 +396,55 @@ class DGCCore:
             self._steps = steps
             self.total_stats, self.step_stats = total, step
             self._step_names = set()
+            self._fit = frozenset(states) if states else None
+            self._fit_began = False
+
+    @property
+    def fit_pending(self):
+        """True from a :meth:`load_state_dict` with tensor states until the first step after it
+        has completed: the adapter then calls :meth:`check_fit`."""
+        return self._fit is not None
+
+    def check_fit(self, names):
+        """After :meth:`load_state_dict`, until the first step after it has completed: raise a
+        ValueError if a loaded tensor state matches none of ``names``, the names of every
+        parameter the optimizer reduces (a checkpoint of another model, or saved under other
+        names). A name compressed in that step without a loaded state is refused by compress
+        itself. No-op otherwise. Changes nothing."""
+        fit = self._fit
+        if fit is None:
+            return
+        names = set(names)
+        stale = fit - names
+        if stale:
+            raise self._misfit(stale, names - fit)
+
+    def _check_fit_name(self, name):
+        """compress of ``name`` in the first step after a load: it must have a loaded state."""
+        fit = self._fit
+        if fit is not None and name not in fit:
+            raise self._misfit((), [name])
+
+    @staticmethod
+    def _misfit(stale, missing):
+        def few(names):
+            names = sorted(names)
+            shown = ", ".join(repr(n) for n in names[:3])
+            return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+        parts = []
+        if stale:
+            parts.append(f"{len(stale)} saved tensor state(s) match no parameter of the "
+                         f"optimizer ({few(stale)})")
+        if missing:
+            parts.append(f"{len(missing)} parameter(s) have no saved state ({few(missing)})")
+        return ValueError(
+            "DGC: the loaded checkpoint does not fit this model: " + "; ".join(parts) + ". Was "
+            "it saved under other names (a renamed or wrapped module, e.g. a 'module.' prefix) "
+            "or by another model? Resuming from it would start fresh residuals under the new "
+            "names and carry the stale ones into every later checkpoint. Load the matching file, "
+            "or load this one with dgc.load_state_dict(state_dict, reset_residuals=True): config, "
+            "warm-up position and generator are kept, the residuals restart at zero")
 
     def _states_from(self, tensors):
         B, c = self.B, self.config
@@ -696,6 +756,8 @@ class DGCCore:
                     raise ValueError(f"compress_many: the tensor {name!r} appears twice")
                 seen.add(name)
         self._check_scale(clip_scale)
+        for name, _, _ in entries:
+            self._check_fit_name(name)
         if not self.use_kernels or len(entries) < 2:
             for name, grad, param in entries:
                 self._check_entry(name, grad, param)
@@ -870,8 +932,9 @@ class DGCCore:
                          PLACEHOLDER_BYTES * len(sts))
 
     def _check_args(self, name, grad, param):
-        """The argument checks of :meth:`compress` that need no state: dtype, and a parameter
-        when weight decay needs it."""
+        """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
+        weight decay needs it, and after a load, a loaded state (:meth:`check_fit`)."""
+        self._check_fit_name(name)
         if not self.B.is_floating(grad):
             raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
                             f"got dtype {getattr(grad, 'dtype', type(grad))}")

@@ -190,6 +190,10 @@ class DGC(DGCAdapter, Compressor):
             self._names[key] = (var, name)
         return self._names[key][1]
 
+    def _known_names(self, variables):
+        """The state names of ``variables`` (their names where DGC has not named them yet)."""
+        return [self._names[id(v)][1] if id(v) in self._names else v.name for v in variables]
+
     def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
         super().load_state_dict(state_dict, reset_residuals, process_set)
         self._pending.clear()
@@ -233,8 +237,11 @@ class DGC(DGCAdapter, Compressor):
         sparse = is_sparse(numel, len(tensor.shape), self.config)
         average = op is None or op == hvd.Average
         scale = self._clip_scale(reduced[0], tensor, world, average)
+        variables = reduced[1]
 
         def run_compress(grad, param, clip_scale):
+            if core.fit_pending:                    # the first step after load_state_dict:
+                core.check_fit(self._known_names(variables))    # every variable reduced
             kind, out, ctx = core.compress(name, grad, world, param, average,
                                            float(clip_scale) if core.needs_clip_scale else None)
             if kind == "sparse":

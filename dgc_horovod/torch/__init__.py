@@ -227,6 +227,8 @@ class DGC(DGCAdapter, Compressor):
         """
         opt, p, name = _find_parameter(tensor, self)
         self._follow_horovod()
+        if self._core.fit_pending:                  # the first step after load_state_dict
+            self._core.check_fit(opt._parameter_names.values())
         if name not in self._checked:
             self._check(opt, p, name)
         process_set = opt.process_set

@@ -9,7 +9,9 @@ tests/test_checkpoint.py launches it twice per controller, plus once as a single
   --mode resume  a fresh job: every rank loads its own ckpt.rank{r}.pt, trains the 6 remaining
                  steps and compares its parameters and DGC state with the reference bit for bit
                  (torch.equal); it also records the errors of a wrong config, a wrong world size
-                 and a wrong rank. Rank 0 writes everything as JSON to --out.
+                 and a wrong rank, and of a checkpoint that does not fit the model (loaded into
+                 a model whose parameters Horovod names 'module.*', as a wrapped module's are;
+                 and with one tensor's state missing). Rank 0 writes everything as JSON to --out.
   --mode single  one process (world size 1) loads ckpt.rank0.pt of the 2-rank job: refused, then
                  accepted with reset_residuals=True.
 
@@ -51,13 +53,14 @@ def batches(rank):
             for _ in range(N_TOTAL)]
 
 
-def make(**dgc_kw):
+def make(prefix="", **dgc_kw):
     torch.manual_seed(1234)
     model = Net()
     dgc = DGC(**dict(DGC_KW, **dgc_kw))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=dgc)
+    opt = hvd.DistributedOptimizer(
+        opt, named_parameters=[(prefix + n, p) for n, p in model.named_parameters()],
+        compression=dgc)
     return model, opt, dgc
 
 
@@ -151,7 +154,38 @@ def mode_resume(d):
     train(model2, opt2, dgc2, ckpt["step"], N_TOTAL)
     out["reset_params_equal"] = all(torch.equal(p, ref_params[n])
                                     for n, p in model2.state_dict().items())
+    out.update(misfit(ckpt, sd))
     return hvd.allgather_object(out)
+
+
+def misfit(ckpt, sd):
+    """A checkpoint that does not fit the model: accepted by load_state_dict (it cannot know
+    the model), refused at the first step, state untouched; reset_residuals=True is the way out
+    and no stale state reaches a later checkpoint."""
+    out = {}
+    for key, prefix, state in (("renamed", "module.", sd),
+                               ("missing", "", dict(sd, tensors={
+                                   n: t for n, t in sd["tensors"].items() if n != "fc2.bias"}))):
+        model, opt, dgc = make(prefix)
+        model.load_state_dict(ckpt["model"])
+        dgc.load_state_dict(state)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            train(model, opt, dgc, ckpt["step"], ckpt["step"] + 1)
+            out[key + "_error"] = None
+        except ValueError as e:
+            out[key + "_error"] = str(e)
+        out[key + "_params_unchanged"] = all(torch.equal(p, before[n])
+                                             for n, p in model.named_parameters())
+        out[key + "_states_after_error"] = sorted(dgc.states)
+        out[key + "_steps_after_error"] = dgc._core.steps
+        # the way out, on a new optimizer (Horovod's is unusable after an error in backward)
+        model, opt, dgc = make(prefix)
+        model.load_state_dict(ckpt["model"])
+        dgc.load_state_dict(state, reset_residuals=True)
+        train(model, opt, dgc, ckpt["step"], ckpt["step"] + 2)
+        out[key + "_reset_saved_tensors"] = sorted(dgc.state_dict()["tensors"])
+    return out
 
 
 def mode_single(d):

@@ -16,7 +16,7 @@ from dgc_horovod.tensorflow import DGC, DGCWarmupCallback
 LR = 0.05
 
 
-def make_model(seed=1234, embedding=False):
+def make_model(seed=1234, embedding=False, names=("fc1", "fc2")):
     tf.keras.utils.set_random_seed(seed)
     if embedding:
         inp = tf.keras.Input(shape=(4,), dtype="int32")
@@ -24,8 +24,8 @@ def make_model(seed=1234, embedding=False):
     else:
         inp = tf.keras.Input(shape=(64,))
         h = inp
-    h = tf.keras.layers.Dense(128, activation="relu", name="fc1")(h)
-    out = tf.keras.layers.Dense(10, name="fc2")(h)
+    h = tf.keras.layers.Dense(128, activation="relu", name=names[0])(h)
+    out = tf.keras.layers.Dense(10, name=names[1])(h)
     return tf.keras.Model(inp, out)
 
 
@@ -183,6 +183,28 @@ def scenario_fp16_overflow(results, steps=12):
                                     flat(model))))}
 
 
+def scenario_checkpoint_misfit(results):
+    """A DGC state saved under the layer names fc1/fc2, loaded for a model whose layers are
+    named head1/head2: refused at the first step, reset_residuals=True is the way out."""
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
+    train_tape(make_model(), dgc, steps=2)
+    sd = dgc.state_dict()
+    out = {}
+    for reset in (False, True):
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
+        dgc.load_state_dict(sd, reset_residuals=reset)
+        model = make_model(names=("head1", "head2"))
+        before = flat(model).numpy()
+        try:
+            train_tape(model, dgc, steps=2)
+            out[f"error_{reset}"] = None
+        except Exception as e:          # raised in a py_function: a tf.errors.* carrying it
+            out[f"error_{reset}"] = str(e)
+        out[f"changed_{reset}"] = bool((flat(model).numpy() != before).any())
+        out[f"saved_{reset}"] = sorted(dgc.state_dict()["tensors"])
+    results["checkpoint_misfit"] = out
+
+
 def train_reference(model, steps, transform, momentum=0.0):
     """Dense reference: each rank's gradients go through ``transform(grads, variables)`` (the
     paper's local rule, transcribed), then Horovod's dense average, then SGD."""
@@ -267,7 +289,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenarios", default="identical,equivalence,indexed_slices,nonfinite,"
-                    "keras_fit,keras_momentum_twice,semantics,fp16_overflow",
+                    "keras_fit,keras_momentum_twice,semantics,fp16_overflow,checkpoint_misfit",
                     help="comma-separated scenario names")
     args = ap.parse_args()
     hvd.init()
