@@ -217,9 +217,9 @@ def test_sources_is_a_copy():
     assert cfg.sources["seed"] == "default"
 
 
-def test_readme_documents_every_variable():
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    options = readme[readme.index("## Options"):]
+def test_docs_document_every_variable():
+    doc = open(os.path.join(ROOT, "docs", "options.md"), encoding="utf-8").read()
+    options = doc[doc.index("## Environment variables"):]
     options = options[:options.index("\n## ", 1)]
     missing = [v for v in DGCConfig.ENV_VARS.values() if f"`{v}`" not in options]
     assert not missing, missing
