@@ -1001,8 +1001,9 @@ def _host():
 
 
 def _canon(settings):
-    """A task's settings as JSON text (tuples and lists alike), to compare runs on --resume."""
-    return json.dumps(settings, sort_keys=True)
+    """A task's settings as JSON text (tuples and lists alike, int keys as the strings JSON
+    makes of them), to compare runs on --resume."""
+    return json.dumps(json.loads(json.dumps(settings)), sort_keys=True)
 
 
 def _utc():
