@@ -83,6 +83,8 @@ cleanup() {
         # dockerd 20.10 writes a trust key there at its first start
         [ -n "$KEY_EXISTED" ] || { rm -f /etc/docker/key.json; rmdir /etc/docker 2>/dev/null; }
     fi
+    # debootstrap mounts /proc and /sys in its target; a failed one may leave them there
+    awk -v t="$TMP/" 'index($2, t) == 1 { print $2 }' /proc/mounts | sort -r | xargs -r umount -l
     rm -rf "$TMP"
     exit $rc
 }
