@@ -183,12 +183,18 @@ rm -rf "$TMP/pkg"
 
 # 4. the image ---------------------------------------------------------------------------------
 t=$SECONDS
+previous="$($DOCKER image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)"
 log "building $IMAGE from docker/Dockerfile (log: $TMP/build.log while it runs)"
 # --network host: an engine started here has no default bridge; elsewhere it changes nothing
 DOCKER_BUILDKIT=1 $DOCKER build --progress plain --network host -f "$ROOT/docker/Dockerfile" \
     "${build_args[@]}" -t "$IMAGE" "$ROOT" > "$TMP/build.log" 2>&1 \
     || { tail -n 40 "$TMP/build.log" >&2; die "docker build failed"; }
 $DOCKER image rm "$PKG_IMAGE" >/dev/null 2>&1 || true
+# so that repeated runs do not pile up 3 GB layers: the image this build replaced (untagged now)
+# goes, and in an engine of our own the build cache keeps only its most recently used 6 GB
+now="$($DOCKER image inspect --format '{{.Id}}' "$IMAGE")"
+[ -z "$previous" ] || [ "$previous" = "$now" ] || $DOCKER image rm "$previous" >/dev/null 2>&1 || true
+[ -z "$DOCKERD_PID" ] || $DOCKER builder prune -f --keep-storage 6GB >/dev/null
 size="$($DOCKER image inspect --format '{{.Size}}' "$IMAGE")"
 report "build: $(since $t); image $IMAGE: $((size / 1000000)) MB ($size bytes)"
 
