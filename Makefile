@@ -73,6 +73,15 @@ docker:
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t dgc_horovod:cpu .
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile.gpu -t dgc_horovod:gpu .
 
+## docker-test: docker/Dockerfile built and run for real (scripts/docker/test.sh): the engine (installed
+## and started if none answers; needs root then), a local Debian base image where the public one cannot
+## be pulled, the build, then in the container `horovodrun --check-build` and `make demo`, and
+## `horovodrun -H` over ssh across two containers on a Docker network. Removes its containers and
+## network and stops the engine it started. DEMO_ARGS: the demo's ARGS; CLUSTER_ARGS (default --epochs 1).
+.PHONY: docker-test
+docker-test:
+	bash scripts/docker/test.sh
+
 ## convergence: does DGC at 99.9% sparsity train as well as dense SGD? MNIST CNN and Shakespeare LSTM
 ## LM on a simulated cluster (dgc_horovod/simulate.py), N = 4 and 16 workers, 3 seeds: dense vs full DGC,
 ## the ablation ladder and two side studies -> docs/convergence.{md,png}, raw JSON in runs/convergence/.

@@ -1,13 +1,19 @@
-"""What the PyTorch and TensorFlow compressors share: settings, warm-up, statistics, checkpoints.
+"""What the PyTorch and TensorFlow compressors share: settings, warm-up, statistics, checkpoints,
+and Horovod Elastic (the reset rule, and :class:`ElasticHandler`, what an elastic state does with
+a DGC).
 
 Framework-free: each adapter subclasses :class:`DGCAdapter`, names its Horovod module in ``_hvd``
 and adds Horovod's ``compress`` / ``decompress`` for its framework.
 """
 import functools
+import logging
+import threading
 
 from dgc_horovod.core import DGCConfig, DGCCore
 
-__all__ = ["DGCAdapter", "DGCFactory"]
+__all__ = ["DGCAdapter", "DGCFactory", "ElasticHandler"]
+
+_log = logging.getLogger("dgc_horovod")
 
 _RIGHT_LINE = ("create the compressor and keep it: dgc = {name}(compress_ratio=0.001, ...); "
                "hvd.DistributedOptimizer(..., compression=dgc)")
@@ -85,6 +91,10 @@ class DGCAdapter:
             raise TypeError("pass either config=DGCConfig(...) or keyword arguments, not both")
         self.config = config if config is not None else DGCConfig(**kwargs)
         self._core = DGCCore(self.config, backend)
+        hvd = self._hvd
+        self._session = self._horovod_session() if hvd.is_initialized() else None
+        self._session_lock = threading.Lock()
+        self.resets = 0
 
     # warm-up and statistics ------------------------------------------------------------
     def set_epoch(self, epoch):
@@ -167,5 +177,149 @@ class DGCAdapter:
         self._core.load_state_dict(state_dict, world_size=world, rank=rank,
                                    reset_residuals=reset_residuals)
 
+    # Horovod Elastic: the reset rule and the state handler's three operations -----------------
+    # Framework hooks: _horovod_session() identifies the current Horovod initialization;
+    # _drop_pending() forgets exchanges in flight (restore and reset); _drop_checks() forgets the
+    # first-step checks (reset); _between_steps(what, when) refuses a commit in the middle of a
+    # step; _elastic_sync_more() syncs what else a framework needs (TensorFlow: the model
+    # signatures already compared).
+
+    def _horovod_session(self):
+        """An object that identifies the current Horovod initialization (default: this rank's
+        (size, rank) pair; an adapter with a finer marker overrides it)."""
+        hvd = self._hvd
+        return (hvd.size(), hvd.rank()) if hvd.is_initialized() else None
+
+    @staticmethod
+    def _same_session(a, b):
+        return a is b if isinstance(a, dict) else a == b
+
+    def _drop_pending(self):
+        pass
+
+    def _drop_checks(self):
+        pass
+
+    def _between_steps(self, what, when):
+        pass
+
+    def on_reset(self):
+        """Apply DGC's elastic reset rule on this rank now (call it on every rank alike).
+
+        The rule: every tensor's velocity u and residual v are dropped (they restart at zero at
+        the next step), and so are the bucket plans, the first-step checks (model consistency
+        across ranks, momentum) and any exchange still pending; the world size N (clipping
+        threshold, averaging) is read again at the next step. Config, warm-up epoch, sampling
+        generator and statistics are kept.
+
+        DGC applies it by itself at every reset of an elastic state that carries it
+        (PyTorch: ``hvd.elastic.TorchState(..., dgc=dgc)``, at ``sync`` or, when Horovod skips
+        ``sync``, at the first step after the reset; TensorFlow:
+        :mod:`dgc_horovod.tensorflow.elastic`, when the state is reset), and otherwise at the
+        first step after Horovod was re-initialized (PyTorch sees every re-initialization,
+        TensorFlow one that changed this rank's world size or rank). Calling it is only needed
+        with a custom elastic State; it can be registered with ``state.register_reset_callbacks([dgc.on_reset])``
+        (it then runs once per reset, not twice). Residuals are per rank and not broadcast: after
+        a reset every rank, old or new, starts from the same zero state. The dropped residual is
+        gradient that is never applied, a one-off perturbation of the size of a few steps'
+        unsent gradient (see README, Reliability).
+        """
+        with self._session_lock:
+            self._reset_locked()
+            self._session = self._horovod_session()    # published after the reset is complete
+
+    def _reset_locked(self):
+        core = self._core
+        core.load_state_dict(core.state_dict(), reset_residuals=True)
+        self._drop_pending()
+        self._drop_checks()
+        self.resets += 1
+        hvd = self._hvd
+        _log.info("DGC: elastic reset #%d: velocities and residuals dropped, world size %s",
+                  self.resets, hvd.size() if hvd.is_initialized() else "?")
+
+    def _follow_horovod(self):
+        """Apply :meth:`on_reset` once if Horovod was re-initialized since DGC last ran."""
+        now = self._horovod_session()
+        if now is None or self._same_session(now, self._session):
+            return
+        with self._session_lock:
+            if self._session is None:
+                self._session = now            # first contact: nothing to reset
+            elif not self._same_session(now, self._session):
+                self._reset_locked()
+                self._session = now
+
+    def _elastic_snapshot(self):
+        """A copy of this rank's state for an elastic state's commit (between steps)."""
+        self._between_steps("the elastic state was committed", "call state.commit() between "
+                            "steps, after the optimizer's step")
+        return self._core.state_dict()
+
+    def _elastic_restore(self, snapshot):
+        """Go back to a snapshot of :meth:`_elastic_snapshot` (undoes uncommitted steps)."""
+        self._core.load_state_dict(snapshot)
+        self._drop_pending()
+
+    def _elastic_sync(self):
+        """Collective: apply the reset rule if Horovod was re-initialized, check that every rank
+        has the same config (ValueError on every rank, naming the settings, otherwise) and take
+        rank 0's warm-up position (epoch and step count) and sampling generator."""
+        hvd = self._hvd
+        self._follow_horovod()
+        mine = self._core.state_dict()
+        configs = hvd.allgather_object(mine["config"], name="dgc.elastic.config")
+        for rank, theirs in enumerate(configs):
+            differ = sorted(k for k in set(theirs) | set(mine["config"])
+                            if theirs.get(k) != mine["config"].get(k))
+            if differ:
+                detail = "; ".join(f"{k}: {mine['config'].get(k)!r} here, {theirs.get(k)!r} on "
+                                   f"rank {rank}" for k in differ)
+                raise ValueError(f"DGC: the ranks' DGC configs differ ({detail}); create DGC "
+                                 "with the same settings on every rank")
+        root = hvd.broadcast_object({"epoch": mine["epoch"], "steps": mine["steps"],
+                                     "generator": mine["generator"]},
+                                    root_rank=0, name="dgc.elastic.sync")
+        if hvd.rank() != 0:
+            mine["epoch"], mine["steps"] = root["epoch"], root["steps"]
+            mine["generator"] = root["generator"]
+            self._core.load_state_dict(mine)
+        self._elastic_sync_more()
+
+    def _elastic_sync_more(self):
+        pass
+
     def __repr__(self):
         return f"DGC({self.config!r})"
+
+
+class ElasticHandler:
+    """A DGC object's part in a Horovod elastic state: ``save`` (commit) copies its state,
+    ``restore`` goes back to that copy bit for bit, ``sync`` (collective) applies the reset rule
+    if due, checks the configs and takes rank 0's warm-up position and generator. The PyTorch
+    handler (:mod:`dgc_horovod.torch.elastic`) and the TensorFlow states
+    (:mod:`dgc_horovod.tensorflow.elastic`) are built on it.
+
+    Args:
+        dgc (DGCAdapter): the compressor; its state is copied now, so a restore before the
+            first commit goes back to the state at creation.
+    Raises (from save): RuntimeError in the middle of a step. (from sync): ValueError when the
+        ranks' DGC configs differ.
+    """
+
+    def __init__(self, dgc):
+        self.value = dgc
+        self._saved = dgc._elastic_snapshot()
+
+    def save(self):
+        """Commit: keep a copy of the DGC's state (refused in the middle of a step)."""
+        self._saved = self.value._elastic_snapshot()
+
+    def restore(self):
+        """Back to the last commit, bit for bit; exchanges in flight are dropped."""
+        self.value._elastic_restore(self._saved)
+
+    def sync(self):
+        """Collective: reset rule if due, config check, rank 0's warm-up position and
+        generator."""
+        self.value._elastic_sync()

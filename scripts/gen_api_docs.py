@@ -16,7 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = ["dgc_horovod.core", "dgc_horovod.summary", "dgc_horovod.adapter", "dgc_horovod.torch",
-           "dgc_horovod.tensorflow"]
+           "dgc_horovod.tensorflow", "dgc_horovod.tensorflow.elastic"]
 
 
 def _doc(obj):

@@ -14,6 +14,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes tens of minutes (make docker-test); part of "
+                                       "`make test`, deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "root: needs root (or a running Docker engine); skips "
+                                       "otherwise and says why")
+
+
 def horovodrun(script_args, np=2, launcher="gloo", env=None, timeout=600):
     """Run `horovodrun -np N -H localhost:N --gloo|--mpi python ...`; return CompletedProcess."""
     cmd = [os.path.join(BIN, "horovodrun"), "-np", str(np), "-H", f"localhost:{np}",

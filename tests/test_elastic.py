@@ -1,6 +1,9 @@
-"""DGC under Horovod Elastic (PyTorch, Gloo): a worker leaves mid-training, the others finish.
+"""DGC under Horovod Elastic (PyTorch and TensorFlow, Gloo): a worker leaves mid-training, the
+others finish.
 
-Real elastic jobs (tests/workers/elastic_worker.py): `horovodrun -np 3 --min-np 2 --max-np 3
+Real elastic jobs (tests/workers/elastic_worker.py with hvd.elastic.TorchState,
+tests/workers/tf_elastic_worker.py with dgc_horovod.tensorflow.elastic.TensorFlowKerasState and
+TensorFlowState, the same job and records): `horovodrun -np 3 --min-np 2 --max-np 3
 --host-discovery-script` with the slots `localhost:2` and `127.0.0.1:1` (two names of this
 machine: Horovod blacklists the host of a failed worker, so the leaver needs a "host" of its own).
 Three workers are needed so that DGC still runs after one leaves: with one process Horovod's
@@ -10,7 +13,10 @@ optimizer never calls the compressor. At step 6 of 10 the worker on 127.0.0.1 le
   the last commit, and ``sync`` after the reset applies DGC's reset rule;
 * ``remove``: rank 0 removes it from the discovery output; the commit raises
   HostsUpdatedInterrupt, Horovod skips ``sync`` (only a removal), and DGC applies the rule at the
-  first step after the reset.
+  first step after the reset (PyTorch) or when the state is reset (TensorFlow).
+
+The TensorFlow step is one tf.function traced in the world of 3 and kept after the reset, so the
+clipping check of the first step after it also shows that DGC reads the world size at run time.
 """
 import json
 import os
@@ -22,12 +28,14 @@ import pytest
 from conftest import BIN, ROOT
 
 EXIT_STEP, STEPS = 6, 10
+WORKERS = {"torch": "tests/workers/elastic_worker.py", "tf": "tests/workers/tf_elastic_worker.py"}
 
 
-@pytest.fixture(scope="module", params=["exit", "remove"])
+@pytest.fixture(scope="module", params=[(fw, mode) for fw in WORKERS for mode in ("exit", "remove")],
+                ids=lambda p: "-".join(p))
 def job(request, tmp_path_factory):
-    mode = request.param
-    tmp = tmp_path_factory.mktemp("elastic_" + mode)
+    framework, mode = request.param
+    tmp = tmp_path_factory.mktemp(f"elastic_{framework}_{mode}")
     hosts, discover, out = tmp / "hosts", tmp / "discover.sh", tmp / "out"
     hosts.write_text("localhost:2\n127.0.0.1:1\n")
     discover.write_text(f"#!/bin/sh\ncat '{hosts}'\n")
@@ -35,20 +43,20 @@ def job(request, tmp_path_factory):
     out.mkdir()
     cmd = [os.path.join(BIN, "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", str(discover), "--gloo",
-           sys.executable, "tests/workers/elastic_worker.py", "--out", str(out),
+           sys.executable, WORKERS[framework], "--out", str(out),
            "--mode", mode, "--hosts-file", str(hosts)]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT,
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1", PYTHONPATH=ROOT,
                PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{log[-6000:]}")
     results = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    return mode, log, results
+    return framework, mode, log, results
 
 
 def test_job_finishes_on_the_survivors_after_a_reset(job):
-    mode, log, results = job
+    _, mode, log, results = job
     left = {"exit": f"worker on 127.0.0.1 leaves at step {EXIT_STEP}",
             "remove": f"host 127.0.0.1 removed from discovery at step {EXIT_STEP}"}[mode]
     assert left in log
@@ -61,7 +69,7 @@ def test_job_finishes_on_the_survivors_after_a_reset(job):
 
 
 def test_reset_rule_applied_at_sync_or_at_the_first_step(job):
-    mode, _, results = job
+    framework, mode, _, results = job
     for r in results:
         entry = r["entries"][1]
         if mode == "exit":
@@ -69,15 +77,18 @@ def test_reset_rule_applied_at_sync_or_at_the_first_step(job):
             assert failed["step"] == EXIT_STEP
             assert failed["stat_steps"] == failed["committed_stat_steps"] + 1  # compressed, failed
             assert entry["stat_steps"] == entry["committed_stat_steps"] == EXIT_STEP  # restored
-            assert entry["resets"] == 1 and entry["dgc_states"] == 0     # dropped at sync
-        else:
+            assert entry["resets"] == 1 and entry["dgc_states"] == 0     # dropped at sync / reset
+        elif framework == "torch":
             assert "failed" not in r
             assert entry["resets"] == 0 and entry["dgc_states"] == 4     # no sync: not yet
+        else:
+            assert "failed" not in r
+            assert entry["resets"] == 1 and entry["dgc_states"] == 0     # state.reset() applied it
         assert r["final"]["resets"] == 1                                 # exactly once
 
 
 def test_first_step_of_each_world_starts_from_zero_state_with_the_new_world_size(job):
-    _, _, results = job
+    *_, results = job
     for r in results:
         start, after = r["fresh"]
         assert start["world"] == 3 and after["world"] == 2
@@ -87,7 +98,7 @@ def test_first_step_of_each_world_starts_from_zero_state_with_the_new_world_size
 
 
 def test_sync_refuses_a_config_that_differs_on_one_rank_on_every_rank(job):
-    _, _, results = job
+    *_, results = job
     for r in results:
         msg = r["config_mismatch"]
         assert msg is not None and msg.startswith("DGC: the ranks' DGC configs differ")
@@ -95,13 +106,13 @@ def test_sync_refuses_a_config_that_differs_on_one_rank_on_every_rank(job):
 
 
 def test_explicit_restore_is_bit_identical_to_the_commit(job):
-    _, _, results = job
+    *_, results = job
     for r in results:
         assert r["restore"] == {"moved": True, "identical_to_commit": True, "step_after": 3}
 
 
 def test_parameters_finite_and_identical_on_the_remaining_ranks(job):
-    _, _, results = job
+    *_, results = job
     finals = [r["final"] for r in results]
     assert sorted(f["rank"] for f in finals) == [0, 1]
     for f in finals:

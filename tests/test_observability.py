@@ -1,6 +1,7 @@
 """TensorBoard logging: the dependency-free event writer, the user helpers (torch log_stats, the
 Keras DGCTensorBoardCallback), the Compression entry points, and the examples' --tensorboard-dir
-in real `horovodrun -np 2` jobs. Event files are read back with TensorFlow's own reader."""
+in real `horovodrun -np 2` jobs, whose output must be plain lines (no progress-bar fragments).
+Event files are read back with TensorFlow's own reader."""
 import glob
 import os
 import re
@@ -138,13 +139,42 @@ def _check_example_scalars(log_dir, epochs):
     assert len(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))) == 1
 
 
-@pytest.mark.parametrize("example", ["pytorch_mnist.py", "tensorflow2_keras_mnist.py"])
-def test_example_tensorboard_dir(tmp_path, example):
+PREFIX = re.compile(r"\[(\d+)\]<(stdout|stderr)>:")
+RANK0_LINE = re.compile(   # what an example prints on rank 0, one whole line each
+    r"Horovod: 2 ranks; .*"
+    r"|epoch \d+/\d+  step \d+/\d+  loss \d+\.\d+"                      # at most every 10 s
+    r"|epoch +(?P<epoch>\d+)  train loss \d+\.\d+  test accuracy .*"       # one per epoch
+    r"|final test accuracy: .*|wire compression after warm-up: .*|wall time: .*")
+
+
+def _check_plain_output(stdout, epochs):
+    """Under horovodrun stdout is a pipe: whole lines, no progress-bar fragments, and on rank 0
+    the header, one line per epoch, plain progress lines and the summary, nothing else. (The
+    output is read as text, so a bar's carriage returns arrive as line ends: its fragments are
+    lines that match none of these.)"""
+    epoch_lines = []
+    for line in stdout.splitlines():
+        assert len(PREFIX.findall(line)) <= 1, f"fragments of two writes in one line: {line!r}"
+        m = PREFIX.match(line)
+        if not m or m.group(1) != "0" or m.group(2) != "stdout":
+            continue
+        text = line[m.end():]
+        shown = RANK0_LINE.fullmatch(text)
+        assert shown, f"unexpected rank-0 line: {text!r}"
+        if shown.group("epoch"):
+            epoch_lines.append(int(shown.group("epoch")))
+    assert epoch_lines == list(range(1, epochs + 1)), stdout[-3000:]
+
+
+@pytest.mark.parametrize("example", ["pytorch_mnist.py", "tensorflow2_mnist.py",
+                                     "tensorflow2_keras_mnist.py"])
+def test_example_tensorboard_dir_and_plain_output(tmp_path, example):
     log_dir = str(tmp_path / "tb")
     proc = horovodrun([os.path.join("examples", example), "--epochs", "2",
                        "--batch-size", "64", "--tensorboard-dir", log_dir],
                       env={"TF_USE_LEGACY_KERAS": "1"}, timeout=300)
     _check_example_scalars(log_dir, 2)
+    _check_plain_output(proc.stdout, 2)
     # the printed lines give the compression of the traffic both ways
     epochs = re.findall(r"wire compression sent ([0-9.]+)x received ([0-9.]+)x", proc.stdout)
     assert len(epochs) == 2, proc.stdout[-3000:]

@@ -95,7 +95,8 @@ def test_wire_bytes_match_statistics(tmp_path):
     w = json.loads(out.read_text())["wire"]
     events = read_timeline(timeline)
     steps = 5
-    gathered = [(n, s) for n, d, s in events if "DGCAllgather_" in n]
+    # named HorovodAllgather_DGC_<variable>: hvd.elastic.run must recognize a failure of it
+    gathered = [(n, s) for n, d, s in events if "HorovodAllgather_DGC_" in n]
     reduced = [(n, s) for n, d, s in events
                if "DistributedGradientTape_Allreduce" in n and "HorovodAllreduce" in n]
     assert len(gathered) == steps * len(w["sparse"])

@@ -102,13 +102,83 @@ def _child():
     print("TF-STATE-OK")
 
 
-def test_tf_state_dict_round_trip_resumes_bit_identically():
+def _elastic_child():
+    """dgc_horovod.tensorflow.elastic's three states in one process (the elastic jobs are in
+    tests/test_elastic.py): each carries the DGC through commit, restore and reset; a wrong
+    assignment is refused; Horovod's own state refuses a DGC at sync, naming these classes."""
+    import copy
+
+    import numpy as np
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    from dgc_horovod.tensorflow import DGC
+    from dgc_horovod.tensorflow import elastic as dgc_elastic
+
+    hvd.init()
+    model = tf.keras.Sequential([tf.keras.layers.Dense(10, input_shape=(40,))])
+    model.build((None, 40))
+    opt = tf.keras.optimizers.SGD(0.1)
+    opt.build(model.trainable_variables)
+    for make in (lambda d: dgc_elastic.TensorFlowKerasState(model, opt, dgc=d, step=0),
+                 lambda d: dgc_elastic.TensorFlowState(model.variables, dgc=d, step=0),
+                 lambda d: dgc_elastic.KerasState(model, opt, dgc=d, step=0)):
+        dgc = DGC(**CFG)
+        state = make(dgc)
+        assert state.dgc is dgc and state.step == 0 and "dgc" not in state._saved_state
+        _steps(dgc, 2, seed=0)
+        state.commit()
+        committed, sd = _snapshot(dgc), dgc.state_dict()
+        _steps(dgc, 2, seed=1)
+        assert not _same(_snapshot(dgc), committed)
+        state.restore()
+        assert _same(_snapshot(dgc), committed), f"{type(state).__name__}: u/v not restored"
+        now = dgc.state_dict()
+        assert now["steps"] == sd["steps"] and now["total_stats"] == sd["total_stats"]
+        assert np.array_equal(_np(now["generator"]), _np(sd["generator"]))
+        state.sync()                                     # one rank: its own config, position
+        state.on_reset()                                 # what hvd.elastic.run calls at a reset
+        assert dgc.resets == 1 and dgc.states == {} and dgc.state_dict()["steps"] == sd["steps"]
+        try:
+            state.dgc = "not a DGC"
+            raise AssertionError("a non-DGC assigned to state.dgc was accepted")
+        except TypeError as e:
+            assert "state.dgc" in str(e), str(e)
+        assert state.dgc is dgc
+        other = DGC(**CFG)
+        state.dgc = other                                # another DGC: carried from now on
+        _steps(other, 1, seed=2)
+        state.commit()
+        committed = _snapshot(other)
+        _steps(other, 1, seed=3)
+        state.restore()
+        assert _same(_snapshot(other), committed) and len(committed) == 2
+
+    dgc = DGC(**CFG)
+    for attempt in (lambda: pickle.dumps(dgc), lambda: copy.deepcopy(dgc),
+                    lambda: hvd.elastic.TensorFlowKerasState(model, opt, dgc=dgc).sync()):
+        try:
+            attempt()
+            raise AssertionError("a DGC was pickled")
+        except TypeError as e:
+            assert "dgc_horovod.tensorflow.elastic" in str(e) and "TensorFlowKerasState" in str(e)
+    print("TF-ELASTIC-STATES-OK")
+
+
+def _run_child(which, marker):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), which], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "TF-STATE-OK" in proc.stdout, \
+    assert proc.returncode == 0 and marker in proc.stdout, \
         proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def test_tf_state_dict_round_trip_resumes_bit_identically():
+    _run_child("state_dict", "TF-STATE-OK")
+
+
+def test_tf_elastic_states_carry_dgc():
+    _run_child("elastic", "TF-ELASTIC-STATES-OK")
+
+
 if __name__ == "__main__":
-    _child()
+    {"state_dict": _child, "elastic": _elastic_child}[sys.argv[1]]()

@@ -36,6 +36,10 @@ How it rides on stock Horovod (0.28.x, unmodified):
   ValueError naming the first differing variable on every rank instead of hanging.
 * With a single process Horovod skips the reduction (and so DGC) entirely; DGC warns then, since the
   optimizer would run without the momentum DGC provides.
+* **Horovod Elastic.** Pass the DGC object to a state of :mod:`dgc_horovod.tensorflow.elastic`
+  (Horovod's ``TensorFlowKerasState``, ``TensorFlowState`` and ``KerasState``, carrying DGC); Horovod's
+  own states cannot carry it (a DGC refuses to be pickled and says so). The world size is read when
+  a step runs, since a traced step is kept across an elastic reset.
 * Keras 3 (the default ``tf.keras`` of TF 2.21) breaks parts of ``horovod.tensorflow`` itself;
   use tf-keras with ``TF_USE_LEGACY_KERAS=1`` (see README).
 """
@@ -157,7 +161,12 @@ class DGC(DGCAdapter, Compressor):
     without momentum when DGC's momentum > 0 (DGC applies momentum correction itself).
 
     Attributes: config, stats (last step's CompressionStats of this rank), total_stats, density,
-    states (per-variable TensorState, keyed by variable name).
+    states (per-variable TensorState, keyed by variable name), resets (how many times the elastic
+    reset rule was applied on this rank, :meth:`on_reset`).
+
+    Horovod Elastic: ``dgc_horovod.tensorflow.elastic.TensorFlowKerasState(model, opt, dgc=dgc,
+    ...)`` (or ``TensorFlowState``, ``KerasState``) commits and restores this object with the model.
+    It cannot be pickled or copied (TypeError).
 
     Raises (while Horovod traces its reduction): RuntimeError when used outside
     DistributedGradientTape / DistributedOptimizer or with op=Adasum; TypeError for a
@@ -171,7 +180,8 @@ class DGC(DGCAdapter, Compressor):
     def __init__(self, config=None, **kwargs):
         super().__init__(config, TFBackend(), **kwargs)
         self._names = {}        # variable ref -> unique state name
-        self._pending = {}      # state name -> (SparseContext, payload words) until decompress
+        self._pending = {}      # state name -> (SparseContext, payload words, world size)
+                                # between compress and decompress
         self._checked_models = set()    # model signatures already compared across ranks
         self._warned_single = False
         self._scale = None      # (grads list, graph, clip factor tensor) of the traced step
@@ -196,9 +206,33 @@ class DGC(DGCAdapter, Compressor):
 
     def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
         super().load_state_dict(state_dict, reset_residuals, process_set)
-        self._pending.clear()
+        self._drop_pending()
 
     load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__
+
+    # Horovod Elastic (the rule and the state operations: dgc_horovod.adapter; the states that
+    # carry a DGC: dgc_horovod.tensorflow.elastic) ---------------------------------------------
+    def _drop_pending(self):
+        self._pending.clear()
+
+    def _elastic_sync_more(self):
+        """Every rank takes the union of the model signatures the ranks have compared. The
+        comparison runs, with collectives, while Horovod's reduction is traced; after a reset
+        the survivors do not trace again (Keras keeps its train function), so a joining worker,
+        which traces alone, must skip the collectives for a model the others already compared.
+        (A joining worker whose model differs from every compared one starts the comparison
+        alone and waits: Horovod's stall warnings then name DGCCheckModelSizes.)"""
+        every = hvd.allgather_object(sorted(self._checked_models), name="dgc.elastic.models")
+        self._checked_models = set().union(*every)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a dgc_horovod.tensorflow.DGC cannot be pickled or copied: its state is per rank and "
+            "lives in tf.Variables. For Horovod Elastic, pass it to a state of "
+            "dgc_horovod.tensorflow.elastic (TensorFlowKerasState, TensorFlowState or "
+            "KerasState; same arguments as Horovod's), whose commit, restore and sync carry it: "
+            "Horovod's own TensorFlow states would broadcast the object by pickling; to "
+            "checkpoint, save dgc.state_dict()")
 
     # Horovod Compressor API ---------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -236,16 +270,20 @@ class DGC(DGCAdapter, Compressor):
         core, pending = self._core, self._pending
         sparse = is_sparse(numel, len(tensor.shape), self.config)
         average = op is None or op == hvd.Average
-        scale = self._clip_scale(reduced[0], tensor, world, average)
+        scale = self._clip_scale(reduced[0], tensor, process_set, average)
         variables = reduced[1]
 
         def run_compress(grad, param, clip_scale):
+            # The world size is read when the step runs, not when it was traced: an elastic
+            # reset changes it without retracing (Keras keeps its train function).
+            self._follow_horovod()
+            now = process_set.size()
             if core.fit_pending:                    # the first step after load_state_dict:
                 core.check_fit(self._known_names(variables))    # every variable reduced
-            kind, out, ctx = core.compress(name, grad, world, param, average,
+            kind, out, ctx = core.compress(name, grad, now, param, average,
                                            float(clip_scale) if core.needs_clip_scale else None)
-            if kind == "sparse":
-                pending[name] = (ctx, core.B.numel(out))       # and the allgather's input size
+            if kind == "sparse":                    # and the allgather's input size
+                pending[name] = (ctx, core.B.numel(out), now)
             return tf.convert_to_tensor(out)
 
         param = var if core.needs_param else tf.zeros([0])
@@ -255,15 +293,18 @@ class DGC(DGCAdapter, Compressor):
                     (None, tensor, name, var))
         payload = tf.py_function(run_compress, [tensor, param, scale], tf.int32)
         payload.set_shape([None])
-        gathered = hvd.allgather(payload, name="DGCAllgather_" + _op_name(name),
+        # "HorovodAllgather" in the name: hvd.elastic.run (TensorFlow) recognizes a failed
+        # Horovod op by its op name in the error message and restores; without it a worker
+        # leaving while this allgather waits would end the job instead.
+        gathered = hvd.allgather(payload, name="HorovodAllgather_DGC_" + _op_name(name),
                                  process_set=process_set)
         # The 1-element placeholder for Horovod's allreduce is this rank's entry count (word 2 of
         # the payload), not a constant: TensorFlow's graph optimizer folds a collective whose
         # input is constant, which would run it once instead of every step.
         placeholder = tf.cast(payload[2:3], tensor.dtype)
-        return placeholder, ((name, world, average, gathered), tensor, name, var)
+        return placeholder, ((name, average, gathered), tensor, name, var)
 
-    def _clip_scale(self, grads, tensor, world, average):
+    def _clip_scale(self, grads, tensor, process_set, average):
         """Trace-time: the step's clipping factor (``DGCCore.clip_scale`` over all the gradients
         Horovod reduces, in their order: one py_function per traced step, shared by every
         tensor), or a constant 1 when global clipping is off."""
@@ -277,7 +318,9 @@ class DGC(DGCAdapter, Compressor):
                  for g in grads if g is not None]
 
         def run_scale(*gs):
-            return tf.constant(core.clip_scale(list(gs), world, average), tf.float32)
+            self._follow_horovod()
+            return tf.constant(core.clip_scale(list(gs), process_set.size(), average),
+                                tf.float32)
 
         # in the graph the gradients live in, not in the tf.cond branch Horovod traces each
         # tensor's reduction in: every branch then captures the same one op
@@ -303,10 +346,10 @@ class DGC(DGCAdapter, Compressor):
 
             dense = tf.py_function(run_wd, [tensor, var], tf.float32)
             return tf.cast(tf.reshape(dense, original.shape), original.dtype)
-        _, world, average, gathered = info
+        _, average, gathered = info
 
         def run_decompress(g, _placeholder, param):
-            ctx, words = pending.pop(name)
+            ctx, words, world = pending.pop(name)
             core.count_allgather(core.B.numel(g), words)
             out = core.decompress(g, ctx, world, average)
             if separate_wd:

@@ -57,9 +57,7 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   added densely after the exchange through its own momentum buffer, as dense momentum SGD
   would; in the wrapped optimizer it would be added after the exchange *without* momentum.
 """
-import logging
 import sys
-import threading
 import warnings
 import weakref
 
@@ -74,8 +72,6 @@ from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch.exchange import Exchange
 
 __all__ = ["DGC"]
-
-_log = logging.getLogger(__name__)
 
 _HINT = ("pass it to horovod.torch.DistributedOptimizer(..., compression=DGC(...)); "
          "DGC keeps per-parameter state and must know which parameter a gradient belongs to")
@@ -125,10 +121,6 @@ def _horovod_session():
     if isinstance(marker, dict):
         return marker
     return (hvd.size(), hvd.rank()) if hvd.is_initialized() else None
-
-
-def _same_session(a, b):
-    return a is b if isinstance(a, dict) else a == b
 
 
 def _owns(p, tensor):
@@ -203,9 +195,6 @@ class DGC(DGCAdapter, Compressor):
         self._exchange = Exchange(self._core, self.config.bucket_numel)
         self._checked = set()
         self._optimizer = None          # weak reference to the one optimizer this DGC serves
-        self._session = _horovod_session() if hvd.is_initialized() else None
-        self._session_lock = threading.Lock()
-        self.resets = 0
         if hvd.is_initialized() and hvd.size() == 1:
             warnings.warn("one Horovod process: hvd.DistributedOptimizer registers no gradient "
                           "hooks and never calls the compressor, so DGC (and its momentum "
@@ -280,49 +269,15 @@ class DGC(DGCAdapter, Compressor):
         dense = core.apply_weight_decay(ctx.name, dense, ctx.param)
         return dense.view(ctx.shape).to(ctx.dtype)
 
-    # Horovod Elastic --------------------------------------------------------------------------
-    def on_reset(self):
-        """Apply DGC's elastic reset rule on this rank now (call it on every rank alike).
+    # Horovod Elastic (the rule and the handler's operations: dgc_horovod.adapter) --------------
+    def _horovod_session(self):
+        return _horovod_session()
 
-        The rule: every tensor's velocity u and residual v are dropped (they restart at zero at
-        the next step), and so are the bucket plans, the first-step checks (model consistency
-        across ranks, momentum) and any exchange still pending; the world size N (clipping
-        threshold, averaging) is read again at the next step. Config,
-        warm-up epoch, sampling generator and statistics are kept.
+    def _drop_pending(self):
+        self._exchange = Exchange(self._core, self.config.bucket_numel)
 
-        DGC applies it by itself at the first ``sync`` or step after Horovod was re-initialized
-        (what ``hvd.elastic.run`` does when a worker leaves or joins, or after a
-        HorovodInternalError), so calling it is only needed with a custom elastic State; it can
-        be registered with ``state.register_reset_callbacks([dgc.on_reset])`` (it then runs once
-        per reset, not twice). Residuals are per rank and not broadcast: after a reset every
-        rank, old or new, starts from the same zero state. The dropped residual is gradient that
-        is never applied, a one-off perturbation of the size of a few steps' unsent gradient (see
-        README, Reliability).
-        """
-        with self._session_lock:
-            self._session = _horovod_session()
-            self._reset_locked()
-
-    def _reset_locked(self):
-        core = self._core
-        core.load_state_dict(core.state_dict(), reset_residuals=True)
-        self._exchange = Exchange(core, self.config.bucket_numel)
+    def _drop_checks(self):
         self._checked = set()
-        self.resets += 1
-        _log.info("DGC: elastic reset #%d: velocities and residuals dropped, world size %s",
-                  self.resets, hvd.size() if hvd.is_initialized() else "?")
-
-    def _follow_horovod(self):
-        """Apply :meth:`on_reset` once if Horovod was re-initialized since DGC last ran."""
-        now = _horovod_session()
-        if now is None or _same_session(now, self._session):
-            return
-        with self._session_lock:
-            if self._session is None:
-                self._session = now            # first contact: nothing to reset
-            elif not _same_session(now, self._session):
-                self._session = now
-                self._reset_locked()
 
     def _between_steps(self, what, when):
         """RuntimeError when a step is in progress (between backward() and optimizer.step()):
@@ -341,41 +296,6 @@ class DGC(DGCAdapter, Compressor):
         Raises RuntimeError in the middle of a step (between ``loss.backward()`` and
         ``optimizer.step()``).
         """
-
-    def _elastic_snapshot(self):
-        """A copy of this rank's state for ``hvd.elastic.TorchState.commit`` (between steps)."""
-        self._between_steps("the elastic state was committed", "call state.commit() between "
-                            "steps, after optimizer.step()")
-        return self._core.state_dict()
-
-    def _elastic_restore(self, snapshot):
-        """Go back to a snapshot of :meth:`_elastic_snapshot` (undoes uncommitted steps)."""
-        self._core.load_state_dict(snapshot)
-        self._exchange = Exchange(self._core, self.config.bucket_numel)
-
-    def _elastic_sync(self):
-        """Collective: apply the reset rule if Horovod was re-initialized, check that every rank
-        has the same config (ValueError on every rank, naming the settings, otherwise) and take
-        rank 0's warm-up position (epoch and step count) and sampling generator."""
-        from horovod.torch.functions import allgather_object, broadcast_object
-        self._follow_horovod()
-        mine = self._core.state_dict()
-        configs = allgather_object(mine["config"], name="dgc.elastic.config")
-        for rank, theirs in enumerate(configs):
-            differ = sorted(k for k in set(theirs) | set(mine["config"])
-                            if theirs.get(k) != mine["config"].get(k))
-            if differ:
-                detail = "; ".join(f"{k}: {mine['config'].get(k)!r} here, {theirs.get(k)!r} on "
-                                   f"rank {rank}" for k in differ)
-                raise ValueError(f"DGC: the ranks' DGC configs differ ({detail}); create DGC "
-                                 "with the same settings on every rank")
-        root = broadcast_object({"epoch": mine["epoch"], "steps": mine["steps"],
-                                 "generator": mine["generator"]},
-                                root_rank=0, name="dgc.elastic.sync")
-        if hvd.rank() != 0:
-            mine["epoch"], mine["steps"] = root["epoch"], root["steps"]
-            mine["generator"] = root["generator"]
-            self._core.load_state_dict(mine)
 
     def _check(self, opt, p, name):
         owner = self._optimizer() if self._optimizer is not None else None

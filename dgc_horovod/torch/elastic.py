@@ -35,11 +35,14 @@ one-off perturbation comparable to the steps since the last commit that a failur
 """
 from horovod.torch.elastic import state as _hvd_state
 
+from dgc_horovod.adapter import ElasticHandler
+
 __all__ = ["DGCStateHandler", "register"]
 
 
-class DGCStateHandler(_hvd_state.StateHandler):
-    """``horovod.torch.elastic.TorchState`` handler of a :class:`dgc_horovod.torch.DGC`.
+class DGCStateHandler(ElasticHandler, _hvd_state.StateHandler):
+    """``horovod.torch.elastic.TorchState`` handler of a :class:`dgc_horovod.torch.DGC`: the
+    shared :class:`dgc_horovod.adapter.ElasticHandler` as one of Horovod's own handlers.
 
     Args:
         dgc (DGC): the compressor (``TorchState(..., dgc=dgc)``); its state is copied now, so a
@@ -47,19 +50,6 @@ class DGCStateHandler(_hvd_state.StateHandler):
     Raises (from save): RuntimeError in the middle of a step. (from sync): ValueError when the
         ranks' DGC configs differ.
     """
-
-    def __init__(self, dgc):
-        super().__init__(dgc)
-        self._saved = dgc._elastic_snapshot()
-
-    def save(self):
-        self._saved = self.value._elastic_snapshot()
-
-    def restore(self):
-        self.value._elastic_restore(self._saved)
-
-    def sync(self):
-        self.value._elastic_sync()
 
 
 def register(dgc_class):
