@@ -85,7 +85,8 @@ docker-test:
 ## convergence: does DGC at 99.9% sparsity train as well as dense SGD? MNIST CNN and Shakespeare LSTM
 ## LM on a simulated cluster (dgc_horovod/simulate.py), N = 4 and 16 workers, 3 seeds: dense vs full DGC,
 ## the ablation ladder and two side studies -> docs/convergence.{md,png}, raw JSON in runs/convergence/.
-## 50 min with ARGS=--jobs 2 on this 2-core machine (2026-12-02), about 100 min at one job. ARGS=--quick: the CI smoke run, < 2 min.
+## About 3 h with ARGS=--jobs 2 on this 2-core machine (2026-12-02: one seed of all 22 runs took 7,426 s of run time,
+## two at a time). ARGS=--quick: the CI smoke run, < 2 min.
 .PHONY: convergence
 convergence: install
 	python benchmarks/convergence.py $(ARGS)
