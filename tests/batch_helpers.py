@@ -1,4 +1,4 @@
-"""Helpers shared by the batch-path tests (test_batch_robustness.py, test_batch_review.py)."""
+"""Helpers of the batch-path tests (test_batch.py)."""
 import numpy as np
 import pytest
 import torch
