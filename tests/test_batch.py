@@ -44,18 +44,24 @@ from conftest import ROOT
 from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, kernels, wire
 from dgc_horovod.core.compressor import _BatchContext
 from dgc_horovod.backends.torch_backend import TorchBackend
-from batch_helpers import (convert, raw, restore_torch_threads,  # noqa: F401 (the fixture)
-                           same_gen, to_np)
+from helpers import F32, convert, raw, same_gen, to_np
 
 # these tests are of the sparse path's mechanics on flat gradients (see conftest)
 pytestmark = pytest.mark.usefixtures("sparse_mechanics")
 
-F32 = np.float32
 BACKENDS = {"numpy": NumpyBackend, "torch": TorchBackend}
 SMALL = kernels.SMALL_NUMEL
 STATS = ("steps", "tensors", "sparse_tensors", "elements", "selected", "wire_bytes",
          "dense_bytes", "nonfinite_tensors", "density")
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels not built/disabled")
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """Every test leaves torch's intra-op thread count as it found it."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 # ============================================================================== helpers

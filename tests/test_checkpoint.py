@@ -27,6 +27,7 @@ from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, wire
 from dgc_horovod.core.compressor import STATE_DICT_VERSION
 from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.backends.torch_backend import TorchBackend
+from helpers import to_backend, to_np
 
 # these tests are of the sparse path's mechanics on flat gradients (see conftest)
 pytestmark = pytest.mark.usefixtures("sparse_mechanics")
@@ -144,21 +145,6 @@ def test_other_world_size_refused_then_reset_residuals(resumed):
 
 
 # ============================================================ DGCCore in one process
-def to_backend(B, a):
-    a = np.array(a, copy=True)
-    if B.name == "tensorflow":
-        return tf.constant(a)
-    return torch.from_numpy(a) if B.name == "torch" else a
-
-
-def to_np(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy().copy()
-    if isinstance(x, (tf.Tensor, tf.Variable)):
-        return x.numpy().copy()
-    return np.array(x, copy=True)
-
-
 SHAPES = {"w": (40, 100), "b": (100,), "s": (3,)}      # s stays dense (min_sparse_numel=8)
 CFG = dict(compress_ratio=0.01, momentum=0.9, warmup_epochs=2, min_sparse_numel=8, seed=3)
 

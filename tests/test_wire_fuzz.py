@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from dgc_horovod.core import NumpyBackend, WireFormatError, wire
 from dgc_horovod.backends.torch_backend import TorchBackend
+from helpers import to_np
 
 NAME = "fuzz.layer3.weight"
 BUCKET = "dgc.bucket.fuzz"
@@ -106,10 +107,6 @@ def spec_decode(words, numel, ranks):
 def to_backend(B, words):
     words = np.ascontiguousarray(words, np.int32)
     return torch.from_numpy(words.copy()) if B.name == "torch" else words.copy()
-
-
-def to_np(x):
-    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 def check_decode(B, words, numel, ranks):
