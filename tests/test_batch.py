@@ -46,8 +46,8 @@ from dgc_horovod.core.compressor import _BatchContext
 from dgc_horovod.backends.torch_backend import TorchBackend
 from helpers import F32, convert, raw, same_gen, to_np
 
-# these tests are of the sparse path's mechanics on flat gradients (see conftest)
-pytestmark = pytest.mark.usefixtures("sparse_mechanics")
+# these tests are of the sparse path's mechanics on flat gradients (see conftest); core only
+pytestmark = [pytest.mark.usefixtures("sparse_mechanics"), pytest.mark.unit]
 
 BACKENDS = {"numpy": NumpyBackend, "torch": TorchBackend}
 SMALL = kernels.SMALL_NUMEL

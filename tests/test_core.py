@@ -23,7 +23,7 @@ from dgc_horovod.backends.tf_backend import TFBackend
 from helpers import to_backend, to_np
 
 # these tests are of the sparse path's mechanics on flat gradients (see conftest)
-pytestmark = pytest.mark.usefixtures("sparse_mechanics")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("sparse_mechanics")]
 
 F32 = np.float32
 BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend(), "tensorflow": TFBackend()}

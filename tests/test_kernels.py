@@ -19,7 +19,7 @@ from dgc_horovod.backends.torch_backend import TorchBackend
 from helpers import to_np
 
 # these tests are of the sparse path's mechanics on flat gradients (see conftest)
-pytestmark = pytest.mark.usefixtures("sparse_mechanics")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("sparse_mechanics")]
 
 F32 = np.float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,11 @@ import pickle
 import subprocess
 import sys
 
+import pytest
+
 from helpers import to_np
+
+pytestmark = pytest.mark.adapter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dict(compress_ratio=0.05, momentum=0.9, warmup_epochs=4, min_sparse_numel=16, seed=3)

@@ -36,7 +36,8 @@ INT32 = st.integers(-2 ** 31, 2 ** 31 - 1)
 FORMATS = [(i, v) for i in ("int32", "delta16") for v in ("float32", "float16")]
 
 # NaN/Inf values and fp16 overflow are part of the inputs; NumPy's warnings about them are noise
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+pytestmark = [pytest.mark.unit,
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
               pytest.mark.usefixtures("sparse_mechanics")]     # flat gradients (see conftest)
 
