@@ -16,6 +16,11 @@ install:
 test: install
 	python -m pytest -q tests
 
+## test-fast: the unit layer only (the core in one process: no launcher, no adapter; docs/testing.md)
+.PHONY: test-fast
+test-fast: install
+	python -m pytest -q -m unit tests
+
 ## demo: train the MNIST CNN with DGC on 2 ranks (real digits, a few minutes on 2 cores)
 demo: install
 	$(HOROVODRUN) --gloo python examples/pytorch_mnist.py --compression dgc $(ARGS)

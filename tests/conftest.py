@@ -1,4 +1,5 @@
-"""Shared helpers: launching real `horovodrun -np 2` jobs from tests."""
+"""Shared by the tests: the layer markers and the check that every test carries one, launching
+real `horovodrun -np 2` jobs, reading Horovod timelines, the sparse_mechanics fixture."""
 import json
 import os
 
@@ -14,11 +15,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 
+#: The test layers (docs/testing.md). Every test carries exactly one of these markers (a module's
+#: ``pytestmark``, or a test's own where a module mixes layers); collection fails otherwise.
+#: `make test-fast` runs ``-m unit``; `make test` runs them all.
+LAYERS = {
+    "unit": "the core in this process (NumPy, torch and TF backends, kernels, wire format, "
+            "simulated cluster): no launcher, no framework adapter; `make test-fast`",
+    "adapter": "the torch / TensorFlow adapters (dgc_horovod.torch, dgc_horovod.tensorflow) "
+               "in process, or in one child process without a launcher",
+    "horovodrun": "launches real `horovodrun` jobs (Gloo and MPI)",
+    "environment": "the environment: install, wheel, Docker, two-host cluster, scripts run end "
+                   "to end; some need root or are slow",
+}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes tens of minutes (make docker-test); part of "
                                        "`make test`, deselect with -m 'not slow'")
     config.addinivalue_line("markers", "root: needs root (or a running Docker engine); skips "
                                        "otherwise and says why")
+    for name, text in LAYERS.items():
+        config.addinivalue_line("markers", f"{name}: layer: {text}")
+
+
+@pytest.hookimpl(tryfirst=True)            # before -m deselects anything
+def pytest_collection_modifyitems(config, items):
+    """Every collected test must carry exactly one layer marker (see LAYERS)."""
+    bad = []
+    for item in items:
+        layers = sorted({m.name for m in item.iter_markers() if m.name in LAYERS})
+        if len(layers) != 1:
+            bad.append(f"  {item.nodeid}: {', '.join(layers) or 'no layer marker'}")
+    if bad:
+        raise pytest.UsageError(
+            f"{len(bad)} test(s) without exactly one layer marker ({', '.join(LAYERS)}); add "
+            "`pytestmark = pytest.mark.<layer>` to the module, or mark the test itself where "
+            "a module mixes layers (tests/conftest.py, docs/testing.md):\n" + "\n".join(bad))
 
 
 def horovodrun(script_args, np=2, launcher="gloo", env=None, timeout=600):

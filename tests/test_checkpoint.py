@@ -27,6 +27,7 @@ from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, wire
 from dgc_horovod.core.compressor import STATE_DICT_VERSION
 from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.backends.torch_backend import TorchBackend
+from helpers import to_backend, to_np
 
 # these tests are of the sparse path's mechanics on flat gradients (see conftest)
 pytestmark = pytest.mark.usefixtures("sparse_mechanics")
@@ -53,6 +54,7 @@ def resumed(request, tmp_path_factory):
     return d, files, json.loads(out.read_text()), extra
 
 
+@pytest.mark.horovodrun
 def test_one_checkpoint_file_per_rank(resumed):
     _, files, r, _ = resumed
     assert files == ["ckpt.rank0.pt", "ckpt.rank1.pt", "reference.rank0.pt", "reference.rank1.pt"]
@@ -63,6 +65,7 @@ def test_one_checkpoint_file_per_rank(resumed):
                                                               "fc2.bias", "fc2.weight"]
 
 
+@pytest.mark.horovodrun
 def test_resumed_run_is_bit_identical_to_uninterrupted_run(resumed):
     _, _, r, _ = resumed
     assert r["size"] == 2
@@ -74,6 +77,7 @@ def test_resumed_run_is_bit_identical_to_uninterrupted_run(resumed):
         assert rr["steps_counted"] == 12 and rr["selected_equal"]
 
 
+@pytest.mark.horovodrun
 def test_resume_without_residuals_is_not_identical(resumed):
     """The negative control: the comparison above is sensitive to the restored residuals."""
     for rr in resumed[2]["ranks"]:
@@ -81,6 +85,7 @@ def test_resume_without_residuals_is_not_identical(resumed):
         assert not rr["reset_params_equal"]
 
 
+@pytest.mark.horovodrun
 def test_load_errors_under_horovod(resumed):
     for rank, rr in enumerate(resumed[2]["ranks"]):
         msg = rr["config_error"]
@@ -96,6 +101,7 @@ def test_load_errors_under_horovod(resumed):
 NAMES = ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
 
 
+@pytest.mark.horovodrun
 def test_checkpoint_of_other_names_is_refused_at_the_first_step(resumed):
     """Saved under 'fc1.weight', ..., loaded into a model Horovod names 'module.fc1.weight', ...
     (a wrapped module): the first step raises on every rank, naming both kinds, and changes
@@ -112,6 +118,7 @@ def test_checkpoint_of_other_names_is_refused_at_the_first_step(resumed):
         assert rr["renamed_reset_saved_tensors"] == ["module." + n for n in NAMES]
 
 
+@pytest.mark.horovodrun
 def test_checkpoint_missing_a_parameter_is_refused_at_the_first_step(resumed):
     for rr in resumed[2]["ranks"]:
         msg = rr["missing_error"]
@@ -123,6 +130,7 @@ def test_checkpoint_missing_a_parameter_is_refused_at_the_first_step(resumed):
         assert rr["missing_reset_saved_tensors"] == NAMES
 
 
+@pytest.mark.horovodrun
 def test_other_world_size_refused_then_reset_residuals(resumed):
     """One process (world size 1) loads rank 0's file of the 2-rank job."""
     d, _, _, extra = resumed
@@ -144,21 +152,6 @@ def test_other_world_size_refused_then_reset_residuals(resumed):
 
 
 # ============================================================ DGCCore in one process
-def to_backend(B, a):
-    a = np.array(a, copy=True)
-    if B.name == "tensorflow":
-        return tf.constant(a)
-    return torch.from_numpy(a) if B.name == "torch" else a
-
-
-def to_np(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy().copy()
-    if isinstance(x, (tf.Tensor, tf.Variable)):
-        return x.numpy().copy()
-    return np.array(x, copy=True)
-
-
 SHAPES = {"w": (40, 100), "b": (100,), "s": (3,)}      # s stays dense (min_sparse_numel=8)
 CFG = dict(compress_ratio=0.01, momentum=0.9, warmup_epochs=2, min_sparse_numel=8, seed=3)
 
@@ -212,6 +205,7 @@ def assert_same_state(a, b):
                 assert np.array_equal(to_np(x), to_np(y))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_core_resume_is_bit_identical(backend):
     B, world = BACKENDS[backend], 2
@@ -236,6 +230,7 @@ def test_core_resume_is_bit_identical(backend):
         assert a.total_stats.wire_bytes == b.total_stats.wire_bytes
 
 
+@pytest.mark.unit
 def test_generator_state_matters():
     """The sampled threshold draws from the generator: restoring it is part of bit-identity."""
     B = BACKENDS["torch"]
@@ -248,6 +243,7 @@ def test_generator_state_matters():
     assert torch.equal(fresh.state_dict()["generator"], sd["generator"])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_state_dict_is_a_snapshot(backend):
     B = BACKENDS[backend]
@@ -260,6 +256,7 @@ def test_state_dict_is_a_snapshot(backend):
     assert not np.array_equal(to_np(core.states["w"].v), v_before)
 
 
+@pytest.mark.unit
 def test_state_dict_contents():
     core = DGCCore(DGCConfig(**CFG), BACKENDS["torch"])
     run_steps([core], 0, 4)
@@ -278,6 +275,7 @@ def test_state_dict_contents():
     assert sd["generator"].dtype == torch.uint8
 
 
+@pytest.mark.unit
 def test_torch_save_load_round_trip_is_exact(tmp_path):
     core = DGCCore(DGCConfig(**CFG), BACKENDS["torch"])
     run_steps([core], 0, 3)
@@ -307,6 +305,7 @@ def untouched(core):
     return not core.states and core.epoch == 0.0 and core.total_stats.steps == 0
 
 
+@pytest.mark.unit
 def test_load_with_changed_config_names_the_keys():
     sd = trained_state()
     core = DGCCore(DGCConfig(**dict(CFG, compress_ratio=0.02, nesterov=True)), BACKENDS["numpy"])
@@ -318,6 +317,7 @@ def test_load_with_changed_config_names_the_keys():
     assert untouched(core)
 
 
+@pytest.mark.unit
 def test_load_with_other_world_size_or_rank_is_refused():
     sd = trained_state(world_size=2, rank=1)
     core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
@@ -329,6 +329,7 @@ def test_load_with_other_world_size_or_rank_is_refused():
     assert untouched(core)
 
 
+@pytest.mark.unit
 def test_reset_residuals_keeps_config_epoch_and_drops_u_v():
     sd = trained_state(world_size=2, rank=1)
     core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
@@ -339,6 +340,7 @@ def test_reset_residuals_keeps_config_epoch_and_drops_u_v():
     assert set(core.states) == set(SHAPES)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("corrupt,match", [
     (lambda sd: sd.pop("generator"), "missing key"),
     (lambda sd: sd.update(version=99), "version 99"),
@@ -359,6 +361,7 @@ def test_malformed_state_dict_is_refused_without_change(corrupt, match):
     assert untouched(core)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_loaded_names_are_checked_against_the_model_at_the_first_step(backend):
     """check_fit (what the adapters call with every parameter's name) refuses loaded states that
@@ -395,6 +398,7 @@ def test_loaded_names_are_checked_against_the_model_at_the_first_step(backend):
     fresh.check_fit(["m.w"])
 
 
+@pytest.mark.unit
 def test_state_dict_without_the_newer_counters_loads():
     """A checkpoint written before received_bytes / overflowed_entries / flushed_entries existed
     loads with them at 0."""
@@ -409,6 +413,7 @@ def test_state_dict_without_the_newer_counters_loads():
 
 
 # ============================================================ beyond the index range
+@pytest.mark.unit
 def test_check_numel_boundary():
     wire.check_numel(2 ** 31 - 1, "ok")
     with pytest.raises(ValueError, match=r"'emb\.weight' has 2147483648 elements.*at most "
@@ -442,6 +447,7 @@ class _NoAllocBackend(NumpyBackend):
         return super().float32_view(x)
 
 
+@pytest.mark.unit
 def test_huge_tensor_rejected_before_any_state():
     core = DGCCore(DGCConfig(min_sparse_numel=1), _NoAllocBackend())
     with pytest.raises(ValueError, match=r"'huge' has 2147483648 elements.*int32"):
@@ -449,6 +455,7 @@ def test_huge_tensor_rejected_before_any_state():
     assert core.states == {} and core.total_stats.tensors == 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("min_sparse_numel", [1, 2 ** 40])     # sparsified or dense alike
 def test_huge_torch_tensor_rejected_without_allocation(min_sparse_numel):
     """A meta tensor has a shape but no storage: nothing of its size is ever allocated."""
@@ -459,6 +466,7 @@ def test_huge_torch_tensor_rejected_without_allocation(min_sparse_numel):
     assert core.states == {}
 
 
+@pytest.mark.unit
 def test_huge_tensor_in_a_state_dict_is_refused():
     sd = trained_state()
     sd["tensors"]["w"]["numel"] = 2 ** 31

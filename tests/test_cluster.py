@@ -87,6 +87,7 @@ def leftovers():
     return found
 
 
+@pytest.mark.environment
 def test_up_twice_down_twice_leaves_nothing():
     assert not leftovers(), f"left over from an earlier run: {leftovers()}"
     try:
@@ -130,6 +131,7 @@ def bed():
     assert leftovers() == []
 
 
+@pytest.mark.environment
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
 def test_job_over_ssh_goes_over_the_veth(bed, launcher, tmp_path):
     out = tmp_path / "result.json"
@@ -157,6 +159,7 @@ def test_job_over_ssh_goes_over_the_veth(bed, launcher, tmp_path):
         assert delta[(ns, "lo", "tx_bytes")] < 2 * 2 ** 20, delta
 
 
+@pytest.mark.environment
 def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
     """benchmarks/synthetic_benchmark.py across the hosts: its byte accounting against the veth's
     own counter (dense: the whole fp32 gradient set per rank per step; DGC: far less)."""
@@ -182,6 +185,7 @@ def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
     assert "speedup" in proc.stdout and "ideal" in proc.stdout
 
 
+@pytest.mark.unit
 def test_parse_rate():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from synthetic_benchmark import parse_rate

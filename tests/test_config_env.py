@@ -26,12 +26,14 @@ def _clean_environ(monkeypatch):
 
 
 # ------------------------------------------------------------------ names and defaults
+@pytest.mark.unit
 def test_every_option_has_one_variable():
     assert set(DGCConfig.ENV_VARS) == set(DGCConfig().to_dict()) == set(DGCConfig.DEFAULTS)
     for name, var in DGCConfig.ENV_VARS.items():
         assert var == "HOROVOD_DGC_" + name.upper()
 
 
+@pytest.mark.unit
 def test_defaults_without_environment():
     cfg = DGCConfig()
     assert cfg.to_dict() == DGCConfig.DEFAULTS
@@ -65,6 +67,7 @@ VALID = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("option,text,expected", VALID)
 def test_variable_sets_option(option, text, expected):
     var = DGCConfig.ENV_VARS[option]
@@ -77,6 +80,7 @@ def test_variable_sets_option(option, text, expected):
     assert cfg == DGCConfig(**{option: expected}, environ={})
 
 
+@pytest.mark.unit
 def test_os_environ_is_read_by_default(monkeypatch):
     monkeypatch.setenv("HOROVOD_DGC_COMPRESS_RATIO", "0.05")
     monkeypatch.setenv("HOROVOD_DGC_WIRE_VALUES", "float16")
@@ -85,12 +89,14 @@ def test_os_environ_is_read_by_default(monkeypatch):
     assert DGCConfig(environ={}).compress_ratio == 0.001     # environ={} ignores it
 
 
+@pytest.mark.unit
 def test_empty_variable_counts_as_unset():
     cfg = DGCConfig(environ={"HOROVOD_DGC_COMPRESS_RATIO": "", "HOROVOD_DGC_SEED": "  "})
     assert cfg.compress_ratio == 0.001 and cfg.seed == 0
     assert set(cfg.sources.values()) == {"default"}
 
 
+@pytest.mark.unit
 def test_other_variables_are_ignored():
     cfg = DGCConfig(environ={"HOROVOD_FUSION_THRESHOLD": "abc", "DGC_COMPRESS_RATIO": "x",
                              "HOROVOD_CYCLE_TIME": "5"})
@@ -130,6 +136,7 @@ BAD = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("option,text,form", BAD)
 def test_bad_variable_names_itself_and_expected_form(option, text, form):
     var = DGCConfig.ENV_VARS[option]
@@ -140,12 +147,14 @@ def test_bad_variable_names_itself_and_expected_form(option, text, form):
     assert msg.endswith(f"got {text!r}"), msg
 
 
+@pytest.mark.unit
 def test_error_message_example_from_the_issue():
     with pytest.raises(ValueError, match=re.escape(
             "HOROVOD_DGC_COMPRESS_RATIO must be a float in (0, 1], got 'abc'")):
         DGCConfig(environ={"HOROVOD_DGC_COMPRESS_RATIO": "abc"})
 
 
+@pytest.mark.unit
 def test_unknown_variable_is_refused():
     with pytest.raises(ValueError) as err:
         DGCConfig(environ={"HOROVOD_DGC_COMPRES_RATIO": "0.01"})   # misspelt
@@ -153,17 +162,20 @@ def test_unknown_variable_is_refused():
     assert "HOROVOD_DGC_COMPRES_RATIO" in msg and "HOROVOD_DGC_COMPRESS_RATIO" in msg
 
 
+@pytest.mark.unit
 def test_explicit_argument_beats_a_bad_variable_too():
     # the variable of an option given explicitly is not used, so it is not validated either
     cfg = DGCConfig(compress_ratio=0.1, environ={"HOROVOD_DGC_COMPRESS_RATIO": "abc"})
     assert cfg.compress_ratio == 0.1 and cfg.sources["compress_ratio"] == "argument"
 
 
+@pytest.mark.unit
 def test_non_string_environ_value():
     with pytest.raises(TypeError, match="HOROVOD_DGC_SEED must be a str"):
         DGCConfig(environ={"HOROVOD_DGC_SEED": 3})
 
 
+@pytest.mark.unit
 def test_cross_check_names_where_values_came_from():
     with pytest.raises(ValueError) as err:
         DGCConfig(environ={"HOROVOD_DGC_NESTEROV": "1", "HOROVOD_DGC_MOMENTUM": "0"})
@@ -178,6 +190,7 @@ def test_cross_check_names_where_values_came_from():
         DGCConfig(nesterov=True, momentum=0.0, environ={})    # keyword form: unchanged
 
 
+@pytest.mark.unit
 def test_keyword_errors_still_name_the_argument():
     with pytest.raises(TypeError, match="compress_ratio must be a float in"):
         DGCConfig(compress_ratio="0.01", environ={})
@@ -186,6 +199,7 @@ def test_keyword_errors_still_name_the_argument():
 
 
 # ------------------------------------------------------------------ precedence and provenance
+@pytest.mark.unit
 def test_precedence_argument_over_variable_over_default():
     env = {"HOROVOD_DGC_COMPRESS_RATIO": "0.05", "HOROVOD_DGC_SEED": "7",
            "HOROVOD_DGC_CLIP_NORM": "1.0", "HOROVOD_DGC_MOMENTUM_MASKING": "0"}
@@ -199,6 +213,7 @@ def test_precedence_argument_over_variable_over_default():
     assert cfg.momentum == 0.9 and cfg.sources["momentum"] == "default"
 
 
+@pytest.mark.unit
 def test_str_shows_where_non_defaults_came_from():
     cfg = DGCConfig(seed=3, environ={"HOROVOD_DGC_COMPRESS_RATIO": "0.01"})
     s = str(cfg)
@@ -211,12 +226,14 @@ def test_str_shows_where_non_defaults_came_from():
                            "compress_ratio": "HOROVOD_DGC_COMPRESS_RATIO"}
 
 
+@pytest.mark.unit
 def test_sources_is_a_copy():
     cfg = DGCConfig(environ={})
     cfg.sources["seed"] = "tampered"
     assert cfg.sources["seed"] == "default"
 
 
+@pytest.mark.unit
 def test_docs_document_every_variable():
     doc = open(os.path.join(ROOT, "docs", "options.md"), encoding="utf-8").read()
     options = doc[doc.index("## Environment variables"):]
@@ -263,6 +280,7 @@ JOB_ENV = {"HOROVOD_DGC_COMPRESS_RATIO": "0.05", "HOROVOD_DGC_WARMUP_EPOCHS": "0
            "HOROVOD_DGC_SEED": "7"}
 
 
+@pytest.mark.horovodrun
 @pytest.mark.parametrize("launcher", ["gloo", "mpi"])
 def test_horovodrun_ranks_follow_the_environment(tmp_path, launcher):
     script = tmp_path / "env_worker.py"

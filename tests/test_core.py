@@ -20,9 +20,10 @@ from dgc_horovod.core import accumulate, wire
 from dgc_horovod.core.sparsify import select_topk
 from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.backends.tf_backend import TFBackend
+from helpers import to_backend, to_np
 
 # these tests are of the sparse path's mechanics on flat gradients (see conftest)
-pytestmark = pytest.mark.usefixtures("sparse_mechanics")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("sparse_mechanics")]
 
 F32 = np.float32
 BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend(), "tensorflow": TFBackend()}
@@ -196,24 +197,9 @@ class RefRank:
 
 
 # ============================================================ simulation helpers
-def to_backend(B, a):
-    a = np.array(a, copy=True)
-    if B.name == "tensorflow":
-        return tf.constant(a)
-    return torch.from_numpy(a) if B.name == "torch" else a
-
-
 def mutable(B, a):
     """A flat float32 copy that in-place backend methods may update (a tf.Variable on TF)."""
     return B.float32_flat(to_backend(B, np.asarray(a, F32)))
-
-
-def to_np(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy().copy()
-    if isinstance(x, (tf.Tensor, tf.Variable)):
-        return x.numpy().copy()
-    return np.array(x, copy=True)
 
 
 def make_ranks(world_size, backend, **cfg):

@@ -24,6 +24,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.environment
+
 dockerfile = pytest.importorskip("dockerfile")
 
 IMAGES = {  # Dockerfile -> its stages, in order (the last one is the image)

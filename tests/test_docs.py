@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -13,6 +15,7 @@ def _run(script, out):
                    env=env, check=True, capture_output=True, timeout=300)
 
 
+@pytest.mark.adapter
 def test_api_reference_is_up_to_date(tmp_path):
     fresh = tmp_path / "api.md"
     _run("gen_api_docs.py", fresh)
@@ -24,6 +27,7 @@ def test_api_reference_is_up_to_date(tmp_path):
         assert name in committed
 
 
+@pytest.mark.unit
 def test_pipeline_figure_renders(tmp_path):
     out = tmp_path / "fig.png"
     _run("draw_dgc_figure.py", out)

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import horovodrun
 
+pytestmark = pytest.mark.horovodrun
+
 TRAINED = ["edge", "fp16", "bf16", "sparse", "sparse_as_dense"]
 DTYPE = {"edge": "torch.float32", "fp16": "torch.float16", "bf16": "torch.bfloat16",
          "sparse": "torch.float32", "sparse_as_dense": "torch.float32"}

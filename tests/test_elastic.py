@@ -27,6 +27,8 @@ import pytest
 
 from conftest import BIN, ROOT
 
+pytestmark = pytest.mark.horovodrun
+
 EXIT_STEP, STEPS = 6, 10
 WORKERS = {"torch": "tests/workers/elastic_worker.py", "tf": "tests/workers/tf_elastic_worker.py"}
 

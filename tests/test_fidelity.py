@@ -23,6 +23,8 @@ from dgc_horovod.core.buckets import plan_buckets
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.core.warmup import density_at_step
 
+pytestmark = pytest.mark.unit
+
 B = NumpyBackend()
 
 

@@ -6,9 +6,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import BIN, ROOT
 
 
+@pytest.mark.environment
 def test_check_build_lists_frameworks_and_controllers():
     out = subprocess.run([os.path.join(BIN, "horovodrun"), "--check-build"], capture_output=True,
                          text=True, check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")).stdout
@@ -20,6 +23,7 @@ def test_check_build_lists_frameworks_and_controllers():
     assert glob.glob(os.path.join(site, "horovod", "tensorflow", "mpi_lib*.so"))
 
 
+@pytest.mark.environment
 def test_install_script_is_a_no_op_when_installed():
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install.sh")],
                           capture_output=True, text=True, check=True,
@@ -27,6 +31,7 @@ def test_install_script_is_a_no_op_when_installed():
     assert "[install]" not in proc.stderr + proc.stdout, proc.stderr
 
 
+@pytest.mark.environment
 def test_patch_explains_every_hunk():
     text = open(os.path.join(ROOT, "patches", "horovod-0.28.1-torch2-tf2.patch")).read()
     hunks = text.count("\n@@ ")
@@ -35,6 +40,7 @@ def test_patch_explains_every_hunk():
         assert f"Hunk {i} (" in text
 
 
+@pytest.mark.unit
 def test_core_imports_no_framework():
     code = ("import sys, dgc_horovod, dgc_horovod.core; "
             "bad = [m for m in ('torch', 'tensorflow', 'horovod') if m in sys.modules]; "

@@ -16,18 +16,15 @@ import torch
 
 from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, kernels, wire
 from dgc_horovod.backends.torch_backend import TorchBackend
+from helpers import to_np
 
 # these tests are of the sparse path's mechanics on flat gradients (see conftest)
-pytestmark = pytest.mark.usefixtures("sparse_mechanics")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("sparse_mechanics")]
 
 F32 = np.float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = {"numpy": NumpyBackend, "torch": TorchBackend}
 needs_kernels = pytest.mark.skipif(not kernels.ENABLED, reason="DGC_KERNELS=0 in the environment")
-
-
-def to_np(x):
-    return x.detach().numpy().copy() if isinstance(x, torch.Tensor) else np.array(x, copy=True)
 
 
 def to_backend(name, a):

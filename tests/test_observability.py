@@ -39,6 +39,7 @@ def fake_stats(selected=100, elements=100_000, steps=3):
     return s
 
 
+@pytest.mark.unit
 def test_event_writer_round_trip(tmp_path):
     with EventWriter(str(tmp_path)) as w:
         w.add_scalar("a/x", 1.5, 0)
@@ -65,6 +66,7 @@ class _FakeDGC:
         self.stats = s
 
 
+@pytest.mark.adapter
 def test_torch_log_stats(tmp_path):
     torch_adapter = pytest.importorskip("dgc_horovod.torch")
     dgc = _FakeDGC()
@@ -79,6 +81,7 @@ def test_torch_log_stats(tmp_path):
     assert got["dgc/selected"] == [(5, 30.0), (6, 40.0)]
 
 
+@pytest.mark.adapter
 def test_keras_tensorboard_callback(tmp_path):
     tf_adapter = pytest.importorskip("dgc_horovod.tensorflow")
     import tensorflow as tf
@@ -100,6 +103,7 @@ def test_keras_tensorboard_callback(tmp_path):
         assert all(v > 1 for _, v in got["dgc/ratio"]), kind
 
 
+@pytest.mark.adapter
 def test_compression_entry_points():
     import horovod.torch as hvd_torch
     torch_adapter = pytest.importorskip("dgc_horovod.torch")
@@ -166,6 +170,7 @@ def _check_plain_output(stdout, epochs):
     assert epoch_lines == list(range(1, epochs + 1)), stdout[-3000:]
 
 
+@pytest.mark.horovodrun
 @pytest.mark.parametrize("example", ["pytorch_mnist.py", "tensorflow2_mnist.py",
                                      "tensorflow2_keras_mnist.py"])
 def test_example_tensorboard_dir_and_plain_output(tmp_path, example):

@@ -19,6 +19,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.environment
+
 EXPECTED_EXTRAS = {"torch": {"torch", "horovod"},
                    "tensorflow": {"tensorflow", "tf-keras", "horovod"},
                    "tensorflow-cpu": {"tensorflow-cpu", "horovod"},

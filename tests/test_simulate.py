@@ -45,6 +45,7 @@ def simulated(kwargs):
     return model, cluster
 
 
+@pytest.mark.horovodrun
 @pytest.mark.parametrize("launcher,name", [("gloo", "global_clip"), ("mpi", "global_clip"),
                                            ("gloo", "buckets")])
 def test_simulated_cluster_matches_horovodrun_bit_for_bit(tmp_path, one_thread, launcher, name):
@@ -63,6 +64,7 @@ def test_simulated_cluster_matches_horovodrun_bit_for_bit(tmp_path, one_thread, 
     assert real["wire_bytes"] == cluster.cores[0].total_stats.wire_bytes
 
 
+@pytest.mark.unit
 def test_workers_stay_replicas_and_dense_mode_is_the_average(one_thread):
     model, cluster = simulated(CONFIGS["global_clip"])
     a, b = cluster.cores
@@ -87,6 +89,7 @@ def test_workers_stay_replicas_and_dense_mode_is_the_average(one_thread):
         assert torch.equal(p.grad, (ref[0][n] + ref[1][n]) * 0.5)
 
 
+@pytest.mark.unit
 def test_bad_arguments_are_named():
     m = W.make_model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -102,6 +105,7 @@ def test_bad_arguments_are_named():
         SimulatedCluster(m, torch.optim.SGD(other.parameters(), lr=0.1), 2)
 
 
+@pytest.mark.unit
 def test_a_nonfinite_worker_is_skipped_by_all_and_nothing_is_lost(one_thread):
     model, cluster = simulated(dict(CONFIGS["buckets"], clip_norm=None))
     a, b = cluster.cores
@@ -126,6 +130,7 @@ def test_a_nonfinite_worker_is_skipped_by_all_and_nothing_is_lost(one_thread):
     torch.testing.assert_close(a.states[name].v, va + g + m * u)   # Nesterov: v += g + m·u
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_received_bytes_are_the_other_workers_payloads(one_thread, name):
     """Each worker receives every other worker's bucket segments (as Horovod's allgather returns

@@ -8,6 +8,8 @@ import tensorflow as tf  # noqa: E402
 
 from dgc_horovod.tensorflow import DGC  # noqa: E402
 
+pytestmark = pytest.mark.adapter
+
 
 @pytest.mark.parametrize("kwargs, arg", [
     (dict(compress_ratio=0.0), "compress_ratio"), (dict(compress_ratio=1.5), "compress_ratio"),

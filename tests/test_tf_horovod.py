@@ -10,6 +10,8 @@ import pytest
 
 from conftest import check_loss_scaler_saw_fp16_overflow, horovodrun, read_timeline
 
+pytestmark = pytest.mark.horovodrun
+
 TF_ENV = {"TF_USE_LEGACY_KERAS": "1"}
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import horovodrun
 
+pytestmark = pytest.mark.horovodrun
+
 TF_ENV = {"TF_USE_LEGACY_KERAS": "1"}
 PREFIX = "DGC: the ranks' models differ: "
 

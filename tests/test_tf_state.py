@@ -10,13 +10,14 @@ import pickle
 import subprocess
 import sys
 
+import pytest
+
+from helpers import to_np
+
+pytestmark = pytest.mark.adapter
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dict(compress_ratio=0.05, momentum=0.9, warmup_epochs=4, min_sparse_numel=16, seed=3)
-
-
-def _np(x):
-    import numpy as np
-    return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
 
 
 def _steps(dgc, n, seed):
@@ -29,13 +30,13 @@ def _steps(dgc, n, seed):
             kind, out, ctx = dgc._core.compress(name, g, 2)
             if kind == "sparse":
                 out = dgc._core.decompress(out, ctx, 2, ranks=1)
-            outs.append(_np(out))
+            outs.append(to_np(out))
     return outs
 
 
 def _snapshot(dgc):
     import numpy as np
-    return {n: (None if s.u is None else _np(s.u), None if s.v is None else _np(s.v))
+    return {n: (None if s.u is None else to_np(s.u), None if s.v is None else to_np(s.v))
             for n, s in dgc.states.items()}
 
 
@@ -69,20 +70,20 @@ def _child():
     ref = _steps(a, 3, seed=1)
     ref_after = _snapshot(a)
     assert not _same(saved, ref_after)                                   # training moved on ...
-    assert np.array_equal(_np(sd["tensors"]["dense_1/kernel:0"]["u"]),
+    assert np.array_equal(to_np(sd["tensors"]["dense_1/kernel:0"]["u"]),
                           saved["dense_1/kernel:0"][0])                  # ... the dict did not
 
     # through pickle with NumPy arrays, as a checkpoint file would carry it
     plain = pickle.loads(pickle.dumps({
-        **sd, "generator": _np(sd["generator"]),
-        "tensors": {n: {k: (_np(v) if k in ("u", "v") and v is not None else v)
+        **sd, "generator": to_np(sd["generator"]),
+        "tensors": {n: {k: (to_np(v) if k in ("u", "v") and v is not None else v)
                         for k, v in t.items()} for n, t in sd["tensors"].items()}}))
     for loaded_sd in (sd, plain):
         b = DGC(**CFG)
         b.load_state_dict(loaded_sd)
         assert _same(_snapshot(b), saved), "u/v not restored"
         assert b._core.epoch == 1.5 and b.density == a.density
-        assert np.array_equal(_np(b._core._generator.state), _np(sd["generator"]))
+        assert np.array_equal(to_np(b._core._generator.state), to_np(sd["generator"]))
         assert b.total_stats.steps == sd["total_stats"]["steps"]
         got = _steps(b, 3, seed=1)
         assert all(np.array_equal(x.view(np.int32), y.view(np.int32)) for x, y in zip(got, ref))
@@ -134,7 +135,7 @@ def _elastic_child():
         assert _same(_snapshot(dgc), committed), f"{type(state).__name__}: u/v not restored"
         now = dgc.state_dict()
         assert now["steps"] == sd["steps"] and now["total_stats"] == sd["total_stats"]
-        assert np.array_equal(_np(now["generator"]), _np(sd["generator"]))
+        assert np.array_equal(to_np(now["generator"]), to_np(sd["generator"]))
         state.sync()                                     # one rank: its own config, position
         state.on_reset()                                 # what hvd.elastic.run calls at a reset
         assert dgc.resets == 1 and dgc.states == {} and dgc.state_dict()["steps"] == sd["steps"]

@@ -5,6 +5,8 @@ import torch
 from dgc_horovod.core import DGCConfig
 from dgc_horovod.torch import DGC
 
+pytestmark = pytest.mark.adapter
+
 
 @pytest.mark.parametrize("kwargs, arg", [
     (dict(compress_ratio=0.0), "compress_ratio"), (dict(compress_ratio=1.5), "compress_ratio"),

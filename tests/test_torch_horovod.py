@@ -12,6 +12,8 @@ import pytest
 
 from conftest import check_loss_scaler_saw_fp16_overflow, horovodrun, read_timeline
 
+pytestmark = pytest.mark.horovodrun
+
 DTYPE_BYTES = {"int32": 4, "float32": 4}
 
 

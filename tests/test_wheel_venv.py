@@ -33,6 +33,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.environment
+
 EXAMPLE = os.path.join(ROOT, "examples", "pytorch_mnist.py")
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
                                      "*.pyc", ".pytest_cache", "data", "*.so")

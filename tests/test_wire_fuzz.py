@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from dgc_horovod.core import NumpyBackend, WireFormatError, wire
 from dgc_horovod.backends.torch_backend import TorchBackend
+from helpers import to_np
 
 NAME = "fuzz.layer3.weight"
 BUCKET = "dgc.bucket.fuzz"
@@ -35,7 +36,8 @@ INT32 = st.integers(-2 ** 31, 2 ** 31 - 1)
 FORMATS = [(i, v) for i in ("int32", "delta16") for v in ("float32", "float16")]
 
 # NaN/Inf values and fp16 overflow are part of the inputs; NumPy's warnings about them are noise
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+pytestmark = [pytest.mark.unit,
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
               pytest.mark.usefixtures("sparse_mechanics")]     # flat gradients (see conftest)
 
@@ -106,10 +108,6 @@ def spec_decode(words, numel, ranks):
 def to_backend(B, words):
     words = np.ascontiguousarray(words, np.int32)
     return torch.from_numpy(words.copy()) if B.name == "torch" else words.copy()
-
-
-def to_np(x):
-    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 def check_decode(B, words, numel, ranks):

@@ -1,29 +1,40 @@
-"""Helpers shared by the batch-path tests (test_batch_robustness.py, test_batch_review.py)."""
+"""Helpers shared by the test modules: conversions between NumPy and the backends' tensors, and
+the batch-path tests' bit-exact comparisons.
+
+No framework is imported here at import time (torch and TensorFlow are imported where a helper
+needs them), so any test module, and the child processes some tests start, can import it.
+(Launching `horovodrun` jobs is in conftest.py.)
+"""
 import numpy as np
-import pytest
-import torch
 
 F32 = np.float32
 
 
-@pytest.fixture(autouse=True)
-def restore_torch_threads():
-    """Every test leaves torch's intra-op thread count as it found it (import it into a test
-    module to apply it there)."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def to_np(x):
-    """A NumPy copy of a NumPy or torch tensor (None stays None)."""
+    """A NumPy copy of a NumPy array, a torch tensor, or a TensorFlow tensor / variable (None
+    stays None)."""
     if x is None:
         return None
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().contiguous().numpy().copy()
+    if hasattr(x, "detach"):                              # torch.Tensor
+        x = x.detach().cpu().contiguous()
+    if hasattr(x, "numpy"):                               # torch.Tensor, tf.Tensor, tf.Variable
+        x = x.numpy()
     return np.array(x, copy=True)
 
 
+def to_backend(B, a):
+    """A copy of array `a` as backend B's tensor (tf.constant, torch tensor or ndarray)."""
+    a = np.array(a, copy=True)
+    if B.name == "tensorflow":
+        import tensorflow as tf
+        return tf.constant(a)
+    if B.name == "torch":
+        import torch
+        return torch.from_numpy(a)
+    return a
+
+
+# ---------------------------------------------------------------- the batch-path tests (test_batch.py)
 def raw(x):
     """Bit-exact identity of a tensor (dtype, shape, bytes: NaN payloads and -0.0 included)."""
     a = to_np(x)
@@ -33,7 +44,10 @@ def raw(x):
 def same_gen(core_a, core_b):
     """Whether two DGCCores' random generators are in the same state."""
     a, b = (c.B.generator_state(c._generator) for c in (core_a, core_b))
-    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    if hasattr(a, "detach"):                              # torch.Tensor
+        import torch
+        return torch.equal(a, b)
+    return a == b
 
 
 def convert(backend, a, kind=""):
@@ -51,6 +65,7 @@ def convert(backend, a, kind=""):
         if kind == "strided":
             return np.repeat(a.reshape(-1), 2)[::2].reshape(a.shape)
         return a.copy()
+    import torch
     t = torch.from_numpy(a.copy())
     if kind == "f16":
         return t.half()
