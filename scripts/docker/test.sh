@@ -194,7 +194,11 @@ $DOCKER image rm "$PKG_IMAGE" >/dev/null 2>&1 || true
 # goes, and in an engine of our own the build cache keeps only its most recently used 6 GB
 now="$($DOCKER image inspect --format '{{.Id}}' "$IMAGE")"
 [ -z "$previous" ] || [ "$previous" = "$now" ] || $DOCKER image rm "$previous" >/dev/null 2>&1 || true
-[ -z "$DOCKERD_PID" ] || $DOCKER builder prune -f --keep-storage 6GB >/dev/null
+# (housekeeping only: a prune that fails, e.g. on a cache an interrupted build left inconsistent,
+# "failed to get usage for ...: snapshot ... not found", is reported and does not fail the test)
+if [ -n "$DOCKERD_PID" ] && ! $DOCKER builder prune -f --keep-storage 6GB > "$TMP/prune.log" 2>&1; then
+    log "warning: pruning the build cache failed (the image is built; the cache may grow): $(tail -n 1 "$TMP/prune.log")"
+fi
 size="$($DOCKER image inspect --format '{{.Size}}' "$IMAGE")"
 report "build: $(since $t); image $IMAGE: $((size / 1000000)) MB ($size bytes)"
 
