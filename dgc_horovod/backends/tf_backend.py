@@ -36,7 +36,6 @@ class TFBackend(Backend):
     def is_floating(self, x): return bool(getattr(x, "dtype", None) is not None and x.dtype.is_floating)
     def all_finite(self, x): return bool(tf.reduce_all(tf.math.is_finite(x)))
     def norm(self, x): return tf.norm(x)
-    def minimum(self, a, b): return tf.minimum(a, b)
     def mul_(self, x, a): x.assign(x * a)
 
     def add_(self, x, y, alpha=1.0):

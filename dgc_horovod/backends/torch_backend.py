@@ -40,7 +40,6 @@ class TorchBackend(Backend):
         # also counts as non-finite, i.e. as an overflowed gradient.
         return bool(torch.isfinite(x.sum()))
     def norm(self, x): return torch.linalg.vector_norm(x)
-    def minimum(self, a, b): return torch.clamp(a, max=b)
     def mul_(self, x, a): x.mul_(a)
     def add_(self, x, y, alpha=1.0): x.add_(y, alpha=alpha)
     def abs(self, x):

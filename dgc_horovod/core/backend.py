@@ -40,7 +40,6 @@ class Backend:
     def all_finite(self, x): raise NotImplementedError         # -> bool
     # --- arithmetic
     def norm(self, x): raise NotImplementedError               # L2 norm, scalar
-    def minimum(self, a, b): raise NotImplementedError         # elementwise min of scalars
     def mul_(self, x, a): raise NotImplementedError            # x *= a
     def add_(self, x, y, alpha=1.0): raise NotImplementedError  # x += alpha * y
     def abs(self, x): raise NotImplementedError                # may reuse a scratch buffer:
@@ -137,7 +136,6 @@ class NumpyBackend(Backend):
     def is_floating(self, x): return np.issubdtype(np.asarray(x).dtype, np.floating)
     def all_finite(self, x): return bool(np.isfinite(x).all())
     def norm(self, x): return np.float32(np.sqrt(np.dot(x, x, out=None)))
-    def minimum(self, a, b): return np.minimum(a, b)
 
     def mul_(self, x, a):
         x *= np.float32(a)

@@ -56,7 +56,7 @@ from dgc_horovod.adapter import DGCAdapter, DGCFactory
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.backends.tf_backend import TFBackend
 
-__all__ = ["DGC", "DGCWarmupCallback", "set_epoch"]
+__all__ = ["DGC", "DGCWarmupCallback"]
 
 _HINT = ("pass it as compression= to horovod.tensorflow.DistributedGradientTape or to "
          "horovod.tensorflow.keras.DistributedOptimizer; DGC keeps per-variable state and must know "
@@ -378,15 +378,6 @@ def _momentum_of(optimizer):
 
 def _op_name(name):
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-
-
-def set_epoch(dgc, epoch):
-    """Custom training loops: ``dgc.set_epoch(epoch)``, at the start of each epoch.
-
-    It matters only with ``warmup_epochs`` set, where it drives the warm-up by epoch. By default
-    (``warmup_epochs=None``) DGC counts its own optimizer steps (``warmup_steps``) and the call
-    changes nothing (DGC warns once that it has no effect)."""
-    dgc.set_epoch(epoch)
 
 
 try:
