@@ -200,7 +200,7 @@ def steps_for(table, n):
     return table[min(larger)] if larger else table[max(table)]
 
 
-def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None):
+def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None, clip_norm=None):
     """What a variant trains with: dict(optimizer_momentum, dgc=DGCConfig kwargs or None,
     dense_clip=C of a clip_grad_norm_ after the exchange or None).
 
@@ -208,6 +208,7 @@ def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None):
     applied after the exchange (the paper's gradient-dropping baseline); from mc on, DGC's
     momentum correction (0.9) replaces the optimizer's. ``lm`` (vanilla SGD): DGC momentum 0
     throughout (error feedback); the dense baseline clips the averaged gradient.
+    ``clip_norm``: DGC's local clipping threshold instead of the task's C (dense keeps C).
     """
     if task not in VARIANTS[variant][1]:
         raise ValueError(f"variant {variant!r} does not apply to task {task!r}")
@@ -221,6 +222,10 @@ def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None):
         "clip": dict(off, momentum=m, clip_norm=C),
         "mask": dict(off, momentum=m, clip_norm=C, momentum_masking=True),
     }
+    if clip_norm is not None:
+        C = clip_norm
+    ladder = {k: dict(kw, clip_norm=C) if kw["clip_norm"] is not None else kw
+              for k, kw in ladder.items()}
     full = dict(momentum=m, clip_norm=C, warmup_steps=warmup_steps)   # masking: default (True)
     dgc = {"dgc": full, "dgc_1d": dict(full, min_sparse_ndim=1),
            "dgc_tclip": dict(full, clip_scope="tensor")}
@@ -469,7 +474,8 @@ def train(job):
     s = job["settings"]
     task = TASKS[task_name](N, seed, s)
     W = warmup_steps_for(total)
-    spec = variant_spec(task_name, variant, s, W, seed, job.get("compress_ratio"))
+    spec = variant_spec(task_name, variant, s, W, seed, job.get("compress_ratio"),
+                        job.get("clip_norm"))
     torch.manual_seed(seed)
     model = task.build()
     params = sum(p.numel() for p in model.parameters())
@@ -555,7 +561,7 @@ def resolve_studies(mode, studies, sizes=None, steps=None, tasks=FULL["tasks"]):
     return out
 
 
-def build_plan(mode, tasks, seeds, variants, studies, compress_ratio=None):
+def build_plan(mode, tasks, seeds, variants, studies, compress_ratio=None, clip_norm=None):
     """[(study, job)] in run order: seed by seed (a partial run has every configuration with
     fewer seeds), the studies in order; a run shared by two studies (same task, N, variant,
     seed and steps) is listed once, under the first. ``studies``: :func:`resolve_studies`."""
@@ -577,6 +583,8 @@ def build_plan(mode, tasks, seeds, variants, studies, compress_ratio=None):
                                    steps=n_steps, mode=mode, settings=s)
                         if compress_ratio is not None:
                             job["compress_ratio"] = compress_ratio
+                        if clip_norm is not None and v != "dense":
+                            job["clip_norm"] = clip_norm
                         plan.append((study, job))
     return plan
 
@@ -936,6 +944,10 @@ def parse_args(argv=None):
     p.add_argument("--compress-ratio", type=float, default=None,
                    help=f"DGC's density after warm-up instead of {COMPRESS_RATIO} (a side "
                         "experiment: its report is not the study's and does not go to docs/)")
+    p.add_argument("--clip-norm", type=float, default=None,
+                   help="DGC's local clipping threshold C (DGCConfig(clip_norm=C)) instead of "
+                        "the task's; dense keeps the task's (a side experiment, as "
+                        "--compress-ratio)")
     p.add_argument("--resume", action="store_true",
                    help="keep the finished runs of <out-dir>/runs.jsonl that the plan needs and "
                         "train only the others")
@@ -948,9 +960,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else FULL
     args.custom = [k for k in ("tasks", "studies", "sizes", "seeds", "variants", "steps",
-                               "compress_ratio") if getattr(args, k) is not None]
+                               "compress_ratio", "clip_norm") if getattr(args, k) is not None]
     if args.compress_ratio is not None and not 0.0 < args.compress_ratio <= 1.0:
         p.error(f"--compress-ratio must be in (0, 1], got {args.compress_ratio}")
+    if args.clip_norm is not None and not 0.0 < args.clip_norm < float("inf"):
+        p.error(f"--clip-norm must be a finite number > 0, got {args.clip_norm}")
     args.mode = "quick" if args.quick else "full"
     args.tasks = list(dict.fromkeys(args.tasks or defaults["tasks"]))
     args.seeds = list(dict.fromkeys(args.seeds if args.seeds is not None else defaults["seeds"]))
@@ -1025,7 +1039,7 @@ def main(argv=None):
         log(f"[convergence] wrote {md} and {png}")
         return 0
     plan = build_plan(args.mode, args.tasks, args.seeds, args.variants, args.study_specs,
-                      args.compress_ratio)
+                      args.compress_ratio, args.clip_norm)
     os.makedirs(args.out_dir, exist_ok=True)
     runs_path = os.path.join(args.out_dir, "runs.jsonl")
     meta_path = os.path.join(args.out_dir, "meta.json")

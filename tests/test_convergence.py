@@ -171,10 +171,30 @@ def test_train_is_deterministic():
     (["--tasks", "lm", "--variants", "mc", "mask"], "no selected variant"),
     (["--tasks", "cifar"], "invalid choice"),
     (["--compress-ratio", "0"], "--compress-ratio must be in (0, 1]"),
+    (["--clip-norm", "-1"], "--clip-norm must be a finite number > 0"),
 ])
 def test_bad_arguments_exit_with_a_clear_error(args, words):
     proc = _run(*args, "--out-dir", os.devnull + "/none", timeout=60)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+
+
+@pytest.mark.unit
+def test_clip_norm_reaches_dgc_and_not_dense():
+    """--clip-norm sets DGC's local threshold in every variant that clips; dense keeps the
+    task's C (its global clip of the averaged gradient)."""
+    studies = C.resolve_studies("quick", ["headline", "ablation"], sizes=[2])
+    plan = C.build_plan("quick", ["lm"], [0], list(C.VARIANTS), studies, clip_norm=0.125)
+    C_task = C.SETTINGS["lm"]["quick"]["clip_norm"]
+    assert C_task != 0.125
+    for _, job in plan:
+        spec = C.variant_spec(job["task"], job["variant"], job["settings"], 8, 0,
+                              job.get("compress_ratio"), job.get("clip_norm"))
+        if job["variant"] == "dense":
+            assert "clip_norm" not in job and spec["dense_clip"] == C_task
+        elif job["variant"] == "gd":
+            assert spec["dgc"]["clip_norm"] is None
+        else:
+            assert spec["dgc"]["clip_norm"] == 0.125, job["variant"]
 
 
 @pytest.mark.unit
