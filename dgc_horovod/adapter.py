@@ -15,7 +15,7 @@ __all__ = ["DGCAdapter", "DGCFactory", "ElasticHandler"]
 
 _log = logging.getLogger("dgc_horovod")
 
-_RIGHT_LINE = ("create the compressor and keep it: dgc = {name}(compress_ratio=0.001, ...); "
+_RIGHT_LINE = ("create the compressor and keep it: dgc = {name}(compress_ratio=0.004, ...); "
                "hvd.DistributedOptimizer(..., compression=dgc)")
 
 
@@ -57,7 +57,7 @@ class DGCFactory:
 
     def compress(self, *args, **kwargs):
         raise TypeError("compression=Compression.dgc passes the factory, not a compressor: "
-                        "call it and keep the object: dgc = Compression.dgc(compress_ratio=0.001, "
+                        "call it and keep the object: dgc = Compression.dgc(compress_ratio=0.004, "
                         "...); hvd.DistributedOptimizer(..., compression=dgc)")
 
     decompress = compress

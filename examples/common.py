@@ -19,13 +19,13 @@ def parse_args(description):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--compression", choices=["none", "fp16", "dgc"], default="dgc",
                    help="gradient compression used by Horovod")
-    p.add_argument("--compress-ratio", type=float, default=0.001,
+    p.add_argument("--compress-ratio", type=float, default=0.004,
                    help="DGC: fraction of each gradient sent per step after warm-up")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="warm-up length in optimizer steps; default (None): one epoch's worth "
                         "of steps (this rank's batches per epoch), as the DGC paper warms up "
                         "over its first epoch(s). It sets DGC's exponential sparsity warm-up "
-                        "(four equal stages at density 25%% -> 6.3%% -> 1.6%% -> 0.4%%, then "
+                        "(four equal stages, density 25%% falling geometrically towards "
                         "--compress-ratio) and, for every --compression alike, the linear "
                         "learning-rate warm-up from lr/ranks to lr (Goyal et al.; Horovod's "
                         "LearningRateWarmupCallback). 0: no warm-up")

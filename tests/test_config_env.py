@@ -86,13 +86,13 @@ def test_os_environ_is_read_by_default(monkeypatch):
     monkeypatch.setenv("HOROVOD_DGC_WIRE_VALUES", "float16")
     cfg = DGCConfig()
     assert (cfg.compress_ratio, cfg.wire_values) == (0.05, "float16")
-    assert DGCConfig(environ={}).compress_ratio == 0.001     # environ={} ignores it
+    assert DGCConfig(environ={}).compress_ratio == 0.004     # environ={} ignores it
 
 
 @pytest.mark.unit
 def test_empty_variable_counts_as_unset():
     cfg = DGCConfig(environ={"HOROVOD_DGC_COMPRESS_RATIO": "", "HOROVOD_DGC_SEED": "  "})
-    assert cfg.compress_ratio == 0.001 and cfg.seed == 0
+    assert cfg.compress_ratio == 0.004 and cfg.seed == 0
     assert set(cfg.sources.values()) == {"default"}
 
 

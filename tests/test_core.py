@@ -347,7 +347,7 @@ def test_warmup_per_step_uses_fractional_epoch(epoch):
 
 def test_warmup_disabled_gives_final_density():
     assert density_at(0, 0.001, warmup_epochs=0) == 0.001
-    assert DGCCore(DGCConfig(warmup_epochs=0), BACKENDS["numpy"]).density == 0.001
+    assert DGCCore(DGCConfig(warmup_epochs=0), BACKENDS["numpy"]).density == 0.004
 
 
 def test_warmup_rejects_negative_epoch():
@@ -358,7 +358,7 @@ def test_warmup_rejects_negative_epoch():
 
 @pytest.mark.parametrize("per_step", [False, True])
 def test_core_density_follows_set_step(per_step):
-    core = DGCCore(DGCConfig(warmup_per_step=per_step), BACKENDS["numpy"])
+    core = DGCCore(DGCConfig(compress_ratio=0.001, warmup_per_step=per_step), BACKENDS["numpy"])
     for step in (0, 3, 10, 25, 39, 40, 100):
         core.set_step(step, 10)
         assert core.density == pytest.approx(ref_density(step / 10, 0.001, 4, per_step=per_step),
@@ -368,7 +368,8 @@ def test_core_density_follows_set_step(per_step):
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_sent_count_follows_warmup(backend):
     n = 20000
-    core = DGCCore(DGCConfig(exact_topk=True, min_sparse_numel=1), BACKENDS[backend])
+    core = DGCCore(DGCConfig(compress_ratio=0.001, exact_topk=True, min_sparse_numel=1),
+                   BACKENDS[backend])
     rng = np.random.default_rng(0)
     for epoch in range(6):
         core.set_epoch(epoch)

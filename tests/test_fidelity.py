@@ -314,7 +314,7 @@ def test_steps_survive_a_checkpoint_and_set_step_moves_the_position():
     assert d.steps == c.steps == 6 and d.density == c.density
     d.set_step(100)
     d.compress("w", g, 2)
-    assert d.steps == 101 and d.density == 0.001
+    assert d.steps == 101 and d.density == 0.004
 
 
 def test_set_epoch_without_warmup_epochs_warns_that_it_does_nothing():
@@ -344,7 +344,7 @@ def test_epoch_driven_warmup_warns_once_when_set_epoch_is_never_called(monkeypat
         for _ in range(6):
             d.compress("w", g, 2)
     d.set_epoch(4)
-    assert d.density == 0.001
+    assert d.density == 0.004
 
 
 def test_statistics_before_the_first_step_say_so():

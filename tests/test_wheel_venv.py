@@ -115,7 +115,7 @@ def fresh(tmp_path_factory):
         json_out = run_dir / "result.json"
         cmd = [str(vbin / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
                str(vbin / "python"), EXAMPLE, "--compression", "dgc", "--epochs", "1",
-               "--warmup-steps", "0", "--json-out", str(json_out)]
+               "--compress-ratio", "0.001", "--warmup-steps", "0", "--json-out", str(json_out)]
         job, times["horovodrun example"] = _run(cmd, 900, cwd=run_dir, env=venv_env)
         result = json.loads(json_out.read_text())
         yield {"venv": str(venv), "wheel": wheel, "probe": json.loads(probe.stdout),

@@ -5,7 +5,7 @@ Usage::
 
     import horovod.tensorflow as hvd
     from dgc_horovod.tensorflow import DGC
-    dgc = DGC(compress_ratio=0.001, momentum=0.9)
+    dgc = DGC(compress_ratio=0.004, momentum=0.9)
     tape = hvd.DistributedGradientTape(tape, compression=dgc)       # optimizer: SGD, momentum 0
 
     import horovod.tensorflow.keras as hvd                           # TF_USE_LEGACY_KERAS=1

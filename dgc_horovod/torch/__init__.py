@@ -4,7 +4,7 @@ Usage (the only change to a Horovod script)::
 
     import horovod.torch as hvd
     from dgc_horovod.torch import DGC
-    dgc = DGC(compress_ratio=0.001, momentum=0.9)       # warm-up: its own step count
+    dgc = DGC(compress_ratio=0.004, momentum=0.9)       # warm-up: its own step count
     opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size())   # no momentum here: DGC has it
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=dgc)
 
@@ -148,7 +148,7 @@ class _Pending:
 class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod compressor (Lin et al., ICLR 2018).
 
-    Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig` (compress_ratio=0.001,
+    Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig` (compress_ratio=0.004,
     momentum=0.9, nesterov=False, momentum_masking=True, clip_norm=None, clip_scope="global",
     weight_decay=0.0, weight_decay_mode="separate", sample_ratio=0.01, exact_topk=False,
     min_sparse_numel=1, min_sparse_ndim=2, warmup_steps=1000, warmup_epochs=None,
