@@ -215,6 +215,8 @@ def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None, clip
     m, C = s["momentum"], s["clip_norm"]
     if variant == "dense":
         return dict(optimizer_momentum=m, dgc=None, dense_clip=C if task == "lm" else None)
+    if clip_norm is not None:
+        C = clip_norm
     off = dict(momentum_masking=False, clip_norm=None, warmup_steps=0)
     ladder = {
         "gd": dict(off, momentum=0.0),
@@ -222,10 +224,6 @@ def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None, clip
         "clip": dict(off, momentum=m, clip_norm=C),
         "mask": dict(off, momentum=m, clip_norm=C, momentum_masking=True),
     }
-    if clip_norm is not None:
-        C = clip_norm
-    ladder = {k: dict(kw, clip_norm=C) if kw["clip_norm"] is not None else kw
-              for k, kw in ladder.items()}
     full = dict(momentum=m, clip_norm=C, warmup_steps=warmup_steps)   # masking: default (True)
     dgc = {"dgc": full, "dgc_1d": dict(full, min_sparse_ndim=1),
            "dgc_tclip": dict(full, clip_scope="tensor")}

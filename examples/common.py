@@ -19,8 +19,9 @@ def parse_args(description):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--compression", choices=["none", "fp16", "dgc"], default="dgc",
                    help="gradient compression used by Horovod")
-    p.add_argument("--compress-ratio", type=float, default=0.004,
-                   help="DGC: fraction of each gradient sent per step after warm-up")
+    p.add_argument("--compress-ratio", type=float, default=None,
+                   help="DGC: fraction of each gradient sent per step after warm-up; default "
+                        "(None): the library's, DGCConfig's compress_ratio")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="warm-up length in optimizer steps; default (None): one epoch's worth "
                         "of steps (this rank's batches per epoch), as the DGC paper warms up "
@@ -65,10 +66,10 @@ def resolve_warmup_steps(args, steps_per_epoch):
 def dgc_options(args, steps_per_epoch):
     """Keyword arguments of DGC(...) from the command line; ``steps_per_epoch`` (this rank's
     batches per epoch) gives the default warm-up length."""
-    kw = dict(compress_ratio=args.compress_ratio, momentum=args.momentum,
-              warmup_steps=resolve_warmup_steps(args, steps_per_epoch))
-    if args.min_sparse_numel is not None:
-        kw["min_sparse_numel"] = args.min_sparse_numel
+    kw = dict(momentum=args.momentum, warmup_steps=resolve_warmup_steps(args, steps_per_epoch))
+    for name in ("compress_ratio", "min_sparse_numel"):     # None: the library's default
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
     return kw
 
 
@@ -232,7 +233,7 @@ class Report:
                       "ranks": self.size, "lr": self.lr, "batch_size": a.batch_size,
                       "warmup_steps": self.warmup_steps, "history": self.history}
             if dgc is not None:
-                result.update(compress_ratio=a.compress_ratio,
+                result.update(compress_ratio=dgc.config.compress_ratio,
                               dgc_total_stats=dgc.total_stats.to_dict())
             with open(a.json_out, "w") as f:
                 json.dump(result, f, indent=2)

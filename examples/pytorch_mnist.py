@@ -22,7 +22,8 @@ t10k-labels-idx1-ubyte, each optionally gzipped) from DIR instead.
 
 The model's parameters are dominated by one fully connected layer (3136x256, 94% of the
 ~858k parameters), which is where DGC's top-k sparsification pays off: after the warm-up each
-rank sends ~0.4% (--compress-ratio) of each large gradient (index + value pairs) instead of the dense tensor.
+rank sends ~0.4% (--compress-ratio) of each large gradient (index + value pairs) instead of the
+dense tensor.
 """
 import torch
 import torch.nn as nn

@@ -142,8 +142,8 @@ class DGCConfig:
             convergence study (docs/accuracy.md) the paper's 0.001 (99.9%, Lin et al. 2018, §1)
             cost accuracy at N = 4 on both tasks (MNIST −1.1 points, LM perplexity +4.9% beyond
             what DGC costs at density 1), 0.004 nothing measurable; it sends about 4× the bytes
-            (ResNet-50 124× less than dense fp32 instead of 277×). 1.0 sends everything: with momentum_masking=False, DGC + plain SGD
-            is then dense momentum SGD (with masking, plain SGD: u is cleared every step).
+            (ResNet-50 124× less than dense fp32 instead of 277×). 1.0 sends everything: with
+            momentum_masking=False, DGC + plain SGD is then dense momentum SGD (with masking, plain SGD: u is cleared every step).
         momentum (float): momentum m of momentum correction, u ← m·u + g, v ← v + u (§3.1,
             eq. 5–6), in [0, 1). 0 gives plain error feedback (gradient dropping with residual
             accumulation), the mode for optimizers such as Adam. When > 0 the wrapped optimizer
