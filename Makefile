@@ -48,7 +48,8 @@ check-build: install
 ## cluster-up: two "hosts" (network namespaces dgc-hostA/B, veth 10.77.0.1/2, tc-shaped link at
 ## RATE=1gbit|100mbit, sshd in each); cluster-down removes all of it; cluster-demo trains the MNIST
 ## example with DGC across them (horovodrun -H hostA:1,hostB:1 over ssh, Gloo). Needs root.
-## cluster-bench: benchmarks/synthetic_benchmark.py (ResNet-50 and LSTM shapes) across them.
+## cluster-bench: benchmarks/synthetic_benchmark.py across them: ResNet-50 and LSTM shapes (synthetic
+## compute), then ResNet-18 (real convolutions); Horovod dense, fp16, DGC and DDP dense, fp16, PowerSGD.
 RATE ?= 1gbit
 .PHONY: cluster-up cluster-down cluster-demo cluster-bench
 cluster-up: install
@@ -63,6 +64,8 @@ cluster-bench: install
 	bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py --model resnet50 --markdown \
 	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS)
 	bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py --model lstm_lm --markdown \
+	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS)
+	bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py --model resnet18 --markdown \
 	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS)
 
 ## clean-venv: remove .venv (the built Horovod wheel stays cached in ~/.cache/dgc_horovod)

@@ -1,12 +1,23 @@
-"""End-to-end step time of dense allreduce, fp16 allreduce and DGC on real models' gradient shapes.
+"""Step time of Horovod (dense, fp16, DGC) and PyTorch DDP (dense, fp16, PowerSGD), side by side.
 
 In the spirit of Horovod's synthetic benchmarks: a training loop over parameters with the shapes
 of ResNet-50 (161 tensors, 25.6M parameters) or of the paper's PTB language model (2-layer LSTM,
 1500 units, 10k vocabulary, 66.0M parameters), both from ``benchmarks/shapes.py``, trained with the
 stock ``hvd.DistributedOptimizer`` and, in turn, ``--compression none``, ``fp16`` and ``dgc``, all in
-one run, so that the numbers are measured side by side on the same link and the same load.
+one run, so that the numbers are measured side by side on the same link and the same load. The same
+job then trains the same parameters with the peers a user would pick instead, **PyTorch DDP** over
+gloo (a ``torch.distributed`` process group of its own, on the same interface): dense
+(``ddp``), the fp16 compress hook (``ddp-fp16``) and PowerSGD of rank 1 and 4 (``ddp-powersgd1``,
+``ddp-powersgd4``: ``powerSGD_hook`` with error feedback and warm start, compressing from step
+2 on, inside the untimed steps; in one DDP bucket, as PowerSGD over gloo hangs or fails with
+several, see ``ddp_run``).
 
-**The compute is synthetic.** There is no convolution and no LSTM: backward hands every parameter a
+``--model resnet18`` is the real thing instead: ResNet-18 (``benchmarks/resnet18.py``, 11.7M
+parameters) with real convolutions on a fixed batch of random images per rank (``--batch-size``,
+``--image-size``, default 32 of 64 × 64) and a cross-entropy loss, so that what DGC gains is
+measured against real compute.
+
+**For the other models the compute is synthetic.** There is no convolution and no LSTM: backward hands every parameter a
 gradient ``a_p·cos(t) + b_p·sin(t)`` (fixed Gaussian tensors a_p, b_p with a per-tensor standard
 deviation of 0.01/√fan_in, rotated each step t so that the gradient changes), through one autograd
 node per parameter, so Horovod's per-parameter hooks fire one by one during backward as in real
@@ -17,25 +28,31 @@ longer per step; on this benchmark communication dominates, which is the case DG
 Per compression it prints, over ``--steps`` timed steps after ``--warmup-steps`` untimed ones:
 
 - step time (ms, mean ± std over the timed steps, rank 0); DGC runs at its final density from the
-  first step (``warmup_epochs=0``, ``compress_ratio`` 0.001), i.e. as after the warm-up;
+  first step (``warmup_epochs=0``; ``--compress-ratio``, default the library's), i.e. as after
+  the warm-up;
 - throughput: images/s (ResNet-50, nominal ``--batch-size`` images per rank per step, default 32)
   or tokens/s (LSTM: nominal batch 20 × 35 steps of BPTT = 700 tokens per rank per step), over all
   ranks: size × per-rank batch / step time;
 - bytes per step per rank: dense fp32 size (none), half of it (fp16), and for DGC what this rank
   actually sent, from the compressor's statistics (payloads + placeholders + any dense tensors);
-  with ``--iface`` (default: $HOROVOD_GLOO_IFACE) also the bytes the interface really sent (tx);
+  PowerSGD's from its own state (P and Q, plus the tensors it leaves uncompressed); with
+  ``--iface`` (default: $HOROVOD_GLOO_IFACE) also the bytes the interface really sent (tx);
 - link time: the bytes one rank must push through its link per step at ``--bandwidth``: ring
-  allreduce 2(N−1)/N × dense size, allgather (N−1) × payload (both equal the size for N = 2);
+  allreduce 2(N−1)/N × its size (dense, fp16, PowerSGD), allgather (N−1) × payload (both
+  equal the size for N = 2);
 - ideal bound = local compute + link time, and step / ideal;
 - speedup of each compression over dense allreduce (step time of none / step time);
 - where the time goes: backward (incl. Horovod hooks, DGC's compress), synchronize (waiting for the
   collectives, DGC's decompress) and the update, each in ms per step of wall time and of the main
   thread's CPU time, and the whole step's CPU time over all of rank 0's threads (Horovod's
-  background thread and Gloo/MPI included). On a loaded machine CPU time shows what a phase costs
+  background thread and Gloo/MPI included). DDP communicates inside backward (its reducer waits
+  for the last bucket there), so its synchronize is 0. On a loaded machine CPU time shows what a phase costs
   by itself, wall time what it cost there.
 
     horovodrun -np 2 -H localhost:2 --gloo python benchmarks/synthetic_benchmark.py
     scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py --bandwidth 1gbit
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/synthetic_benchmark.py \
+        --compression dgc,ddp-powersgd1
     make cluster-bench RATE=1gbit
 
 Per-collective detail: set ``HOROVOD_TIMELINE=/path/timeline.json`` in the environment of horovodrun
@@ -54,11 +71,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 MODELS = {
-    # name: (shapes function, unit, nominal per-rank batch in that unit given --batch-size)
+    # name: (unit, per-rank batch in that unit given the arguments)
     "resnet50": ("images", lambda args: args.batch_size),
     "lstm_lm": ("tokens", lambda args: 20 * 35),
+    "resnet18": ("images", lambda args: args.batch_size),          # real convolutions
 }
-COMPRESSIONS = ("none", "fp16", "dgc")
+#: The peers a user would pick instead, in the same job: PyTorch DDP over gloo (torch.distributed,
+#: its own process group beside Horovod's) with DDP's communication hooks. Value: the hook (None:
+#: DDP's own dense fp32 allreduce; "fp16": the fp16 compress hook; an int: PowerSGD of that rank).
+DDP_PEERS = {"ddp": None, "ddp-fp16": "fp16", "ddp-powersgd1": 1, "ddp-powersgd4": 4}
+COMPRESSIONS = ("none", "fp16", "dgc") + tuple(DDP_PEERS)
+#: PowerSGD allreduces the gradients densely for its first iterations (its state's
+#: start_powerSGD_iter, default 1,000); here it compresses from this step on, within the untimed ones.
+POWERSGD_START = 2
 
 
 def parse_rate(text):
@@ -105,19 +130,8 @@ def worker(args):
     hvd.init()
     torch.set_num_threads(args.threads)
     rank, size = hvd.rank(), hvd.size()
-    shapes = {"resnet50": resnet50, "lstm_lm": lstm_lm}[args.model]()
     unit, batch_fn = MODELS[args.model]
     per_rank_batch = batch_fn(args)
-    dense_bytes = 4 * sum(math.prod(s) for _, s in shapes)
-
-    # fixed gradient sources, identical for every compression (different on each rank)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    sources = []
-    for _, shape in shapes:
-        fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
-        std = 0.01 / math.sqrt(fan_in)
-        sources.append((torch.randn(shape, generator=gen) * std,
-                        torch.randn(shape, generator=gen) * std))
 
     class SyntheticGrad(torch.autograd.Function):
         """forward: a scalar 0 that depends on p; backward: d/dp = a·cos(t) + b·sin(t)."""
@@ -132,13 +146,61 @@ def worker(args):
             a, b, c, s = ctx.sources
             return a.mul(c).add_(b, alpha=s), None, None, None, None
 
-    def backward_pass(params, step):
-        c, s = math.cos(0.1 * step), math.sin(0.1 * step)
-        loss = sum(SyntheticGrad.apply(p, a, b, c, s) for p, (a, b) in zip(params, sources))
-        loss.backward()
+    class SyntheticModel(torch.nn.Module):
+        """Parameters of the model's shapes; forward(step) a loss whose backward hands each one
+        its rotating synthetic gradient, through one autograd node per parameter."""
 
-    def new_params():
-        return [torch.nn.Parameter(torch.zeros(shape)) for _, shape in shapes]
+        def __init__(self, shapes, sources):
+            super().__init__()
+            self.names = [n for n, _ in shapes]
+            self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(shape))
+                                                 for _, shape in shapes)
+            self.sources = sources
+
+        def named_for_horovod(self):
+            return list(zip(self.names, self.params))
+
+        def forward(self, step):
+            c, s = math.cos(0.1 * step), math.sin(0.1 * step)
+            return sum(SyntheticGrad.apply(p, a, b, c, s)
+                       for p, (a, b) in zip(self.params, self.sources))
+
+    class RealModel(torch.nn.Module):
+        """ResNet-18 with real convolutions on a fixed batch of random images (labels too), a
+        different one on each rank; forward(step) the cross-entropy loss."""
+
+        def __init__(self):
+            super().__init__()
+            from resnet18 import ResNet18
+            torch.manual_seed(0)                              # the same initial weights everywhere
+            self.net = ResNet18()
+            gen = torch.Generator().manual_seed(1000 + rank)
+            self.x = torch.randn(per_rank_batch, 3, args.image_size, args.image_size,
+                                 generator=gen)
+            self.y = torch.randint(0, 1000, (per_rank_batch,), generator=gen)
+
+        def named_for_horovod(self):
+            return list(self.net.named_parameters())
+
+        def forward(self, step):
+            return torch.nn.functional.cross_entropy(self.net(self.x), self.y)
+
+    if args.model == "resnet18":
+        def new_model():
+            return RealModel()
+    else:
+        shapes = {"resnet50": resnet50, "lstm_lm": lstm_lm}[args.model]()
+        # fixed gradient sources, identical for every compression (different on each rank)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        sources = []
+        for _, shape in shapes:
+            fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
+            std = 0.01 / math.sqrt(fan_in)
+            sources.append((torch.randn(shape, generator=gen) * std,
+                            torch.randn(shape, generator=gen) * std))
+
+        def new_model():
+            return SyntheticModel(shapes, sources)
 
     def barrier():
         hvd.allreduce(torch.zeros(1), name="bench.barrier")
@@ -150,21 +212,22 @@ def worker(args):
     total_steps = args.warmup_steps + args.steps
 
     # 1. local compute alone: every rank at once, no Horovod hooks
-    params = new_params()
-    opt = torch.optim.SGD(params, lr=1e-6, momentum=0.9)
+    model = new_model()
+    dense_bytes = 4 * sum(p.numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
     barrier()
     compute, compute_cpu = [], []
     for step in range(total_steps):
         c0, t0 = time.process_time(), time.perf_counter()
         opt.zero_grad()
-        backward_pass(params, step)
+        model(step).backward()
         opt.step()
         if step >= args.warmup_steps:
             compute.append(time.perf_counter() - t0)
             compute_cpu.append(time.process_time() - c0)
     compute = hvd.allreduce(torch.tensor(compute, dtype=torch.float64), op=hvd.Average,
                             name="bench.compute").tolist()
-    del opt, params
+    del opt, model
     gc.collect()
 
     results = {"model": args.model, "size": size, "hosts": hosts, "iface": iface,
@@ -174,12 +237,79 @@ def worker(args):
                "compute_s": stats_line(compute), "compute_cpu_s": stats_line(compute_cpu)[0],
                "loadavg_start": os.getloadavg(), "runs": {}}
 
+    def ddp_run(name):
+        """One DDP peer (``DDP_PEERS[name]``) over the process group made by ``ddp_group``: the
+        same timed loop as Horovod's (zero_grad, forward + backward, SGD step with momentum 0.9),
+        no synchronize phase (DDP's reducer waits for its last bucket inside backward)."""
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        hook = DDP_PEERS[name]
+        # PowerSGD over gloo hangs or fails ("Received data size doesn't match") with several DDP
+        # buckets (its callbacks issue collectives in a different order on each rank); one bucket
+        # works. The others keep DDP's default buckets, as a user would.
+        cap = {"bucket_cap_mb": dense_bytes / 2 ** 20 + 1} if isinstance(hook, int) else {}
+        ddp = DistributedDataParallel(new_model(), **cap)
+        state = None
+        if hook == "fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif isinstance(hook, int):
+            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=hook,
+                                                start_powerSGD_iter=POWERSGD_START)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-6, momentum=0.9)
+        phases = {"step": [], "backward": [], "synchronize": [], "update": []}
+        cpu = {"step": [], "backward": [], "synchronize": [], "update": []}
+        warmup = max(args.warmup_steps, POWERSGD_START) if state else args.warmup_steps
+        tx0 = numel0 = None
+        for step in range(warmup + args.steps):
+            if step == warmup:
+                dist.barrier()
+                tx0 = iface_tx_bytes(iface)
+                numel0 = state.total_numel_after_compression if state else None
+            c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
+            opt.zero_grad()
+            ddp(step).backward()
+            c1, t1 = time.thread_time(), time.perf_counter()
+            opt.step()
+            c2, p2, t2 = time.thread_time(), time.process_time(), time.perf_counter()
+            if step >= warmup:
+                for k, v in (("step", t2 - t0), ("backward", t1 - t0), ("synchronize", 0.0),
+                             ("update", t2 - t1)):
+                    phases[k].append(v)
+                for k, v in (("step", p2 - p0), ("backward", c1 - c0), ("synchronize", 0.0),
+                             ("update", c2 - c1)):
+                    cpu[k].append(v)
+        tx1 = iface_tx_bytes(iface)
+        run = {k: stats_line(v) for k, v in phases.items()}
+        run["cpu"] = {k: stats_line(v)[0] for k, v in cpu.items()}
+        run["step_all"] = phases["step"]
+        if state:       # what PowerSGD allreduced: P, Q and the tensors it left uncompressed
+            run["bytes"] = 4 * (state.total_numel_after_compression - numel0) / args.steps
+        else:
+            run["bytes"] = dense_bytes if hook is None else dense_bytes / 2
+        run["link_bytes"] = 2 * (size - 1) / size * run["bytes"]        # ring allreduce
+        run["iface_tx_bytes"] = (tx1 - tx0) / args.steps if iface else None
+        # the replicas agree (a checksum of the trained parameters on every rank)
+        flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).double()
+        run["param_checksums"] = hvd.allgather_object(float(flat.abs().sum()) + float(flat.sum()))
+        del opt, ddp, state
+        gc.collect()
+        return run
+
     for name in args.compression:
-        params = new_params()
-        named = [(n, p) for (n, _), p in zip(shapes, params)]
+        if name in DDP_PEERS:
+            if not ddp_group(hvd, iface, args):
+                continue
+            results["runs"][name] = ddp_run(name)
+            continue
+        model = new_model()
+        params, named = list(model.parameters()), model.named_for_horovod()
         dgc = None
         if name == "dgc":
-            dgc = DGC(compress_ratio=args.compress_ratio, momentum=0.9, warmup_epochs=0)
+            ratio = {} if args.compress_ratio is None else {"compress_ratio": args.compress_ratio}
+            dgc = DGC(momentum=0.9, warmup_epochs=0, **ratio)
             compression, momentum = dgc, 0.0          # DGC applies the momentum itself
         else:
             compression = hvd.Compression.none if name == "none" else hvd.Compression.fp16
@@ -201,7 +331,7 @@ def worker(args):
                     profiler.enable()
             c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
             opt.zero_grad()
-            backward_pass(params, step)
+            model(step).backward()
             c1, t1 = time.thread_time(), time.perf_counter()
             opt.synchronize()
             c2, t2 = time.thread_time(), time.perf_counter()
@@ -239,15 +369,71 @@ def worker(args):
         run["link_bytes"] = link_bytes
         run["iface_tx_bytes"] = (tx1 - tx0) / args.steps if iface else None
         results["runs"][name] = run
-        del opt, params, dgc, compression
+        del opt, model, params, named, dgc, compression
         gc.collect()
 
+    if any(name in DDP_PEERS for name in args.compression) and ddp_group.made:
+        import torch.distributed as dist
+        dist.destroy_process_group()
     results["loadavg_end"] = os.getloadavg()
     if rank == 0:
         report(results, args)
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(results, f, indent=1)
+
+
+def iface_ipv4(iface):
+    """The IPv4 address of network interface ``iface`` (Linux ioctl SIOCGIFADDR), or None."""
+    import fcntl
+    import socket
+    import struct
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def ddp_group(hvd, iface, args):
+    """Make torch.distributed's default gloo process group once, for the DDP peers: rank 0 opens a
+    TCPStore on its address on ``iface`` (Horovod's interface on the bed; loopback when every
+    rank runs on one host) and Horovod broadcasts where it listens. True when the group exists,
+    False (with a note on rank 0) when no address to meet at can be found."""
+    import socket
+
+    import torch.distributed as dist
+    if ddp_group.made:
+        return True
+    single_host = hvd.local_size() == hvd.size()
+    if iface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+    elif single_host:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    addr = None
+    if hvd.rank() == 0:
+        addr = (iface_ipv4(iface) if iface else
+                "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname()))
+    addr = hvd.broadcast_object(addr, 0, name="bench.ddp.addr")
+    if addr is None:
+        if hvd.rank() == 0:
+            print(f"# DDP peers left out: no IPv4 address on interface {iface!r} for the "
+                  f"TCPStore (pass --iface)")
+        return False
+    store, port = None, None
+    if hvd.rank() == 0:
+        store = dist.TCPStore(addr, 0, hvd.size(), True, wait_for_workers=False)
+        port = store.port
+    port = hvd.broadcast_object(port, 0, name="bench.ddp.port")
+    if store is None:
+        store = dist.TCPStore(addr, port, hvd.size(), False)
+    dist.init_process_group("gloo", store=store, rank=hvd.rank(), world_size=hvd.size())
+    ddp_group.made = True
+    return True
+
+
+ddp_group.made = False
 
 
 def report(r, args):
@@ -265,7 +451,7 @@ def report(r, args):
     print(f"# local compute alone (synthetic forward+backward+SGD update, all ranks at once): "
           f"{1e3 * compute:.1f} ± {1e3 * r['compute_s'][1]:.1f} ms wall, "
           f"{1e3 * r['compute_cpu_s']:.1f} ms CPU (rank 0)")
-    head = (f"{'compression':>11} | {'step ms':>15} | {r['unit'] + '/s':>10} | {'bytes/step/rank':>15} | "
+    head = (f"{'compression':>13} | {'step ms':>15} | {r['unit'] + '/s':>10} | {'bytes/step/rank':>15} | "
             f"{'measured tx':>11} | {'link ms':>8} | {'ideal ms':>8} | {'step/ideal':>10} | "
             f"{'speedup':>7}")
     print(head)
@@ -276,11 +462,15 @@ def report(r, args):
         link = 8 * run["link_bytes"] / bw if bw else None
         ideal = compute + link if bw else None
         tx = run["iface_tx_bytes"]
-        print(f"{name:>11} | {1e3 * step:8.1f} ± {1e3 * std:5.1f} | {thr:10.0f} | "
+        print(f"{name:>13} | {1e3 * step:8.1f} ± {1e3 * std:5.1f} | {thr:10.0f} | "
               f"{run['bytes']:15,.0f} | {(f'{tx:,.0f}' if tx is not None else 'n/a'):>11} | "
               f"{(f'{1e3 * link:.1f}' if bw else 'n/a'):>8} | {(f'{1e3 * ideal:.1f}' if bw else 'n/a'):>8} | "
               f"{(f'{step / ideal:.2f}x' if bw else 'n/a'):>10} | "
               f"{(f'{base / step:.2f}x' if base else 'n/a'):>7}")
+    peers = [n for n in runs if n.startswith("ddp-powersgd")]
+    if "dgc" in runs and peers:
+        print("# DGC against PowerSGD (step time of PowerSGD / step time of DGC): " + ", ".join(
+            f"{n[4:]} {runs[n]['step'][0] / runs['dgc']['step'][0]:.2f}x" for n in peers))
     print("where the time goes, rank 0, ms per step (mean), wall / CPU of the main thread: "
           "backward incl. hooks | synchronize (wait + decompress) | update | whole step, CPU of "
           "all threads | DGC compress (inside backward, wall)")
@@ -288,7 +478,7 @@ def report(r, args):
         extra = (f" | {1e3 * run['compress_s']:.1f} (density {run['density']:.4f})"
                  if "compress_s" in run else "")
         c = run["cpu"]
-        print(f"{name:>11}: {1e3 * run['backward'][0]:.1f} / {1e3 * c['backward']:.1f} | "
+        print(f"{name:>13}: {1e3 * run['backward'][0]:.1f} / {1e3 * c['backward']:.1f} | "
               f"{1e3 * run['synchronize'][0]:.1f} / {1e3 * c['synchronize']:.1f} | "
               f"{1e3 * run['update'][0]:.1f} / {1e3 * c['update']:.1f} | "
               f"{1e3 * run['step'][0]:.1f} / {1e3 * c['step']:.1f}{extra}")
@@ -312,15 +502,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="resnet50",
                     help="gradient shapes (benchmarks/shapes.py)")
-    ap.add_argument("--compression", default="none,fp16,dgc",
-                    help="comma-separated, run in this order in one job (default none,fp16,dgc)")
+    ap.add_argument("--compression", default=",".join(COMPRESSIONS),
+                    help="comma-separated, run in this order in one job: Horovod's none, fp16 "
+                         "and dgc, then DDP's ddp, ddp-fp16, ddp-powersgd1, ddp-powersgd4 "
+                         "(default: all)")
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per compression")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per compression")
     ap.add_argument("--batch-size", type=int, default=32,
-                    help="nominal images per rank per step (ResNet-50's images/s)")
+                    help="images per rank per step (nominal for resnet50, real for resnet18)")
+    ap.add_argument("--image-size", type=int, default=64,
+                    help="side of resnet18's random images in pixels (default 64)")
     ap.add_argument("--bandwidth", default=None,
                     help="link rate per direction for the ideal bound, e.g. 1gbit or 100mbit")
-    ap.add_argument("--compress-ratio", type=float, default=0.001, help="DGC's final density")
+    ap.add_argument("--compress-ratio", type=float, default=None,
+                    help="DGC's final density (default: the library's, DGCConfig().compress_ratio)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--iface", default=None,
                     help="network interface whose tx bytes to count (default $HOROVOD_GLOO_IFACE)")
@@ -338,7 +533,9 @@ def main(argv=None):
         ap.error("--steps must be >= 1 and --warmup-steps >= 0")
     if args.threads < 1:
         ap.error("--threads must be >= 1")
-    if not 0 < args.compress_ratio <= 1:
+    if args.batch_size < 1 or args.image_size < 32:
+        ap.error("--batch-size must be >= 1 and --image-size >= 32")
+    if args.compress_ratio is not None and not 0 < args.compress_ratio <= 1:
         ap.error(f"--compress-ratio must be in (0, 1], not {args.compress_ratio}")
     try:
         args.bandwidth_bps = parse_rate(args.bandwidth) if args.bandwidth else None

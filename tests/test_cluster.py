@@ -162,13 +162,15 @@ def test_job_over_ssh_goes_over_the_veth(bed, launcher, tmp_path):
 @pytest.mark.environment
 def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
     """benchmarks/synthetic_benchmark.py across the hosts: its byte accounting against the veth's
-    own counter (dense: the whole fp32 gradient set per rank per step; DGC: far less)."""
+    own counter (dense: the whole fp32 gradient set per rank per step; DGC: far less; the DDP
+    peers in the same job, dense and PowerSGD, over the same veth)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), "--gloo", sys.executable,
                            "benchmarks/synthetic_benchmark.py", "--model", "resnet50",
-                           "--compression", "none,dgc", "--warmup-steps", "1", "--steps", "1",
+                           "--compression", "none,dgc,ddp,ddp-powersgd1", "--compress-ratio",
+                           "0.001", "--warmup-steps", "1", "--steps", "1",
                            "--bandwidth", "1gbit", "--json-out", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     r = json.loads(out.read_text())
     assert r["hosts"] == ["hostA", "hostB"] and r["iface"] == "dgc0"
@@ -182,6 +184,15 @@ def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
     assert 0.0005 < dgc["density"] <= 0.001
     assert dgc["bytes"] < r["dense_bytes"] / 250       # 1-D tensors dense: about 277x
     assert dgc["iface_tx_bytes"] < r["dense_bytes"] / 10, dgc
+    # the DDP peers over the same veth (their own gloo group on dgc0): DDP's ring allreduce
+    # carries the whole fp32 gradient set like Horovod's, PowerSGD the P and Q it counts
+    ddp, psgd = r["runs"]["ddp"], r["runs"]["ddp-powersgd1"]
+    assert ddp["bytes"] == r["dense_bytes"]
+    assert 1.0 <= ddp["iface_tx_bytes"] / ddp["bytes"] < 1.1, ddp
+    assert psgd["bytes"] < r["dense_bytes"] / 50
+    assert 1.0 <= psgd["iface_tx_bytes"] / psgd["bytes"] < 1.5, psgd
+    for run in (ddp, psgd):
+        assert run["param_checksums"][0] == run["param_checksums"][1]
     assert "speedup" in proc.stdout and "ideal" in proc.stdout
 
 

@@ -1,0 +1,68 @@
+"""benchmarks/synthetic_benchmark.py's peers in the same job: PyTorch DDP over gloo (dense, the fp16
+hook, PowerSGD) beside Horovod with DGC, under a real `horovodrun -np 2`.
+
+The byte counts are checked against transcriptions written here from the peers' definitions (DDP
+allreduces the fp32 gradients, the fp16 hook half of them, PowerSGD P (n × r) and Q (m × r) of each
+matrix view n × m it compresses plus every tensor it leaves dense), and the replicas against each
+other: the ranks' gradient sources differ, so equal parameters after training mean the peer really
+averaged them. Across the two-host bed, tests/test_cluster.py checks the same counts against the
+veth's own byte counter.
+"""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from conftest import ROOT, horovodrun
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def powersgd_numel(shapes, rank, min_compression_rate=2):
+    """Elements PowerSGD allreduces per step for these parameter shapes (torch's powerSGD_hook:
+    a tensor is viewed as shape[0] × rest; it is compressed when (n + m)·r' · rate < n·m with
+    r' = min(n, m, r), sending P and Q; otherwise it goes dense)."""
+    total = 0
+    for _, shape in shapes:
+        n = shape[0]
+        m = math.prod(shape) // n
+        r = min(n, m, rank)
+        total += (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
+    return total
+
+
+@pytest.mark.unit
+def test_powersgd_numel_transcription():
+    """The transcription itself on hand-made shapes: a 1-D tensor and a thin matrix go dense."""
+    assert powersgd_numel([("b", (64,))], 1) == 64
+    assert powersgd_numel([("w", (100, 3))], 1) == 103            # 103·2 < 300: P and Q
+    assert powersgd_numel([("w", (100, 2))], 1) == 200            # 102·2 ≥ 200: dense
+    assert powersgd_numel([("w", (64, 3, 7, 7))], 4) == (64 + 147) * 4
+
+
+@pytest.mark.horovodrun
+def test_ddp_peers_beside_dgc(tmp_path):
+    from shapes import resnet50
+    out = tmp_path / "bench.json"
+    proc = horovodrun(["benchmarks/synthetic_benchmark.py", "--model", "resnet50",
+                       "--compression", "dgc,ddp,ddp-fp16,ddp-powersgd1,ddp-powersgd4",
+                       "--warmup-steps", "1", "--steps", "1", "--json-out", str(out)],
+                      timeout=900)
+    r = json.loads(out.read_text())
+    runs = r["runs"]
+    dense = 4 * sum(math.prod(s) for _, s in resnet50())
+    assert r["dense_bytes"] == dense == 4 * 25_557_032
+    assert runs["ddp"]["bytes"] == dense and runs["ddp-fp16"]["bytes"] == dense / 2
+    for rank in (1, 4):
+        got = runs[f"ddp-powersgd{rank}"]["bytes"]
+        assert got == 4 * powersgd_numel(resnet50(), rank), (rank, got)
+        assert got < dense / 10
+    for name in ("ddp", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4"):
+        a, b = runs[name]["param_checksums"]
+        assert a == b and a != 0.0, (name, a, b)
+        assert runs[name]["synchronize"][0] == 0.0 and runs[name]["step"][0] > 0
+    assert "DGC against PowerSGD (step time of PowerSGD / step time of DGC): powersgd1" in proc.stdout
+    for name in ("ddp-powersgd1", "ddp-powersgd4", "dgc"):
+        assert f"<stdout>:{name:>13} | " in proc.stdout
