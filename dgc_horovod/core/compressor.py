@@ -76,7 +76,8 @@ from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_l
                                          weight_decay_momentum)
 from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
-from dgc_horovod.core.stats import ADDED_FIELDS, CompressionStats
+from dgc_horovod.core.stats import (ADDED_FIELDS, PLACEHOLDER_BYTES, CompressionStats,
+                                    StatsRecorder)
 from dgc_horovod.core.warmup import density_at, density_at_step
 from dgc_horovod.core import kernels, wire
 
@@ -84,8 +85,6 @@ __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STAT
 
 #: The smallest magnitude a float16 cast rounds to ±inf (float16's largest value is 65504).
 FP16_OVERFLOW = 65520.0
-#: Bytes of the 1-element float32 placeholder a sparsified tensor sends through the stock allreduce.
-PLACEHOLDER_BYTES = 4
 
 
 #: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load).
@@ -96,12 +95,6 @@ _STATE_KEYS = ("version", "config", "epoch", "steps", "world_size", "rank", "ten
 #: set_epoch / set_step was never called: the warm-up would then never advance.
 EPOCH_CALL_CHECK_STEPS = 1000
 _MISSING = object()
-
-
-def _allreduced_bytes(st):
-    """Bytes Horovod's allreduce carries for tensor st in a step, each way: the 1-element float32
-    placeholder of a sparsified tensor, the whole float32 velocity of a dense one."""
-    return PLACEHOLDER_BYTES if st.sparse else 4 * st.numel
 
 
 def _stats_dict(stats):
@@ -192,10 +185,7 @@ class DGCCore:
         self.epoch = 0.0
         self._generator = backend.generator(config.seed)
         self._lock = threading.Lock()
-        self._step_names = set()
-        self.step_stats = CompressionStats()
-        self.total_stats = CompressionStats()
-        self._deferred = None   # compress_many: statistics rows waiting for entry order
+        self._stats = StatsRecorder()
         self.use_kernels = kernels.available() and backend.kernel_fma() is not None
         self._steps = 0         # optimizer steps begun (the warm-up position counts them)
         self._epoch_set = False
@@ -204,6 +194,12 @@ class DGCCore:
         # first step after the load has completed (check_fit); None when nothing is to check
         self._fit = None
         self._fit_began = False
+
+    # the statistics, counted by the core's StatsRecorder
+    step_stats = property(lambda self: self._stats.step, doc=(
+        "The current (or last) step's :class:`~dgc_horovod.core.stats.CompressionStats`."))
+    total_stats = property(lambda self: self._stats.total, doc=(
+        "The cumulative :class:`~dgc_horovod.core.stats.CompressionStats` of this rank."))
 
     # ----------------------------------------------------------------- warm-up
     @property
@@ -233,7 +229,7 @@ class DGCCore:
         """Called at each compress / compress_many (lock held) with its first tensor's name:
         counts a new step when that tensor was already compressed in this step (or nothing was
         since the last load / set_step)."""
-        if not self._step_names or name in self._step_names:
+        if self._stats.starts_step(name):
             self._steps += 1
             if self._fit is not None:          # the first step after a load has completed
                 self._fit, self._fit_began = (None if self._fit_began else self._fit), True
@@ -273,7 +269,7 @@ class DGCCore:
         if self.config.warmup_epochs is None:
             with self._lock:
                 self._steps = step
-                self._step_names = set()
+                self._stats.restart()
             return
         if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r} "
@@ -314,8 +310,8 @@ class DGCCore:
                 "rank": rank,
                 "tensors": tensors,
                 "generator": B.generator_state(self._generator),
-                "total_stats": _stats_dict(self.total_stats),
-                "step_stats": _stats_dict(self.step_stats),
+                "total_stats": _stats_dict(self._stats.total),
+                "step_stats": _stats_dict(self._stats.step),
             }
 
     def load_state_dict(self, state_dict, world_size=None, rank=None, reset_residuals=False):
@@ -394,8 +390,7 @@ class DGCCore:
             self.states = states
             self.epoch = float(state_dict["epoch"])
             self._steps = steps
-            self.total_stats, self.step_stats = total, step
-            self._step_names = set()
+            self._stats = StatsRecorder(step, total)
             self._fit = frozenset(states) if states else None
             self._fit_began = False
 
@@ -497,66 +492,6 @@ class DGCCore:
                              f"created for {st.numel}")
         return st
 
-    def _count(self, st, selected, wire_bytes, nonfinite, seconds, density=None, fp16=(0, 0)):
-        row = (st, selected, wire_bytes, nonfinite, seconds,
-               self.density if density is None else density, fp16)
-        if self._deferred is not None:           # inside compress_many: counted in entry order
-            self._deferred.append(row)
-        else:
-            self._count_rows((row,))
-
-    def _count_rows(self, rows):
-        """Add rows [(st, selected, wire_bytes, nonfinite, seconds, density, (overflowed,
-        flushed))], in order, to the statistics: a tensor seen again in this step starts a new
-        step."""
-        names, seg = self._step_names, []
-        for row in rows:
-            name = row[0].name
-            if name in names:                      # a tensor seen again: a new step has begun
-                self._add_counts(seg)
-                seg = []
-                names.clear()
-            if not names:                          # the first tensor of a step
-                self._new_step()
-            names.add(name)
-            seg.append(row)
-        self._add_counts(seg)
-
-    def _new_step(self):
-        """Statistics for a step that begins now (fresh step_stats: after load_state_dict the
-        loaded ones describe the step before)."""
-        self.step_stats = CompressionStats()
-        self.step_stats.steps = 1
-        self.total_stats.steps += 1
-
-    def _add_counts(self, seg):
-        if not seg:
-            return
-        self._add_totals(len(seg), sum(int(r[0].sparse) for r in seg),
-                         sum(r[0].numel for r in seg), sum(r[1] for r in seg),
-                         sum(r[2] for r in seg), sum(int(r[3]) for r in seg),
-                         sum(r[4] for r in seg), seg[-1][5],
-                         sum(_allreduced_bytes(r[0]) for r in seg),
-                         sum(r[6][0] for r in seg), sum(r[6][1] for r in seg))
-
-    def _add_totals(self, tensors, sparse, elements, selected, wire_bytes, nonfinite, seconds,
-                    density, received, overflowed=0, flushed=0):
-        """Add a run of tensors of the current step to step_stats and total_stats (received:
-        what Horovod's allreduce returns for them, :func:`_allreduced_bytes`)."""
-        for s in (self.step_stats, self.total_stats):
-            s.tensors += tensors
-            s.sparse_tensors += sparse
-            s.elements += elements
-            s.selected += selected
-            s.wire_bytes += wire_bytes
-            s.received_bytes += received
-            s.dense_bytes += 4 * elements
-            s.nonfinite_tensors += nonfinite
-            s.overflowed_entries += overflowed
-            s.flushed_entries += flushed
-            s.compress_seconds += seconds
-            s.density = density
-
     # ----------------------------------------------------------------- compress / decompress
     def compress(self, name, grad, world_size, param=None, average=True, clip_scale=None):
         """Accumulate a local gradient and produce what goes on the wire.
@@ -616,7 +551,8 @@ class DGCCore:
         if not st.sparse:
             v = B.zeros(st.numel, like=g)
             momentum_correction(B, st.u, v, g, c.momentum, c.nesterov, scale)
-            self._count(st, 0, 4 * st.numel, False, time.perf_counter() - t0)
+            self._stats.count(st, 0, 4 * st.numel, False, time.perf_counter() - t0,
+                              self.density)
             return "dense", v, None
         momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov, scale)
         k = k_for(st.numel, self.density)
@@ -725,7 +661,7 @@ class DGCCore:
             nbytes = 4 * B.numel(out) + PLACEHOLDER_BYTES
         else:
             result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
-        self._count(st, 0, nbytes, True, time.perf_counter() - t0)
+        self._stats.count(st, 0, nbytes, True, time.perf_counter() - t0, self.density)
         return result
 
     def compress_many(self, entries, world_size, average=True, clip_scale=None):
@@ -837,16 +773,16 @@ class DGCCore:
                        for st, pay, start, cnt in zip(sts, batch.payloads, batch.starts,
                                                       batch.counts)]
             batch.release()
-            self._count_batch(sts, batch.counts, batch.words, seconds, self.density)
+            self._stats.count_batch(sts, batch.counts, batch.words, seconds, self.density)
             return results
         n = len(entries)
         results, counts = [None] * n, [()] * n
-        self._deferred = []
+        self._stats.hold()
         try:
             self._batch_results(batch, list(range(n)), counts, results, seconds)
         finally:
-            self._deferred = None
-        self._count_rows([row for entry in counts for row in entry])
+            self._stats.release()
+        self._stats.count_rows([row for entry in counts for row in entry])
         return results
 
     def _compress_mixed(self, entries, fused, world_size, clip, threads, t0):
@@ -855,7 +791,7 @@ class DGCCore:
         batch, rows = kernels.Batch(self, threads), []
         counts = [()] * len(entries)    # statistics rows per entry, added in entry order
         t_other = 0.0                   # time spent on the entries outside the batch
-        self._deferred = []
+        self._stats.hold()
         try:
             # in entry order, so the random draws come in the order compress() makes them
             for i, (name, grad, param) in enumerate(entries):
@@ -864,7 +800,7 @@ class DGCCore:
                     batch.draw()                 # the batch rows' draws come first
                     t1 = time.perf_counter()
                     results[i] = self._compress_locked(name, grad, world_size, param, t1, *clip)
-                    counts[i], self._deferred = self._deferred, []
+                    counts[i] = self._stats.take()
                     t_other += time.perf_counter() - t1
                     continue
                 rows.append(i)
@@ -874,14 +810,14 @@ class DGCCore:
                 self._batch_results(batch, rows, counts, results,
                                     time.perf_counter() - t0 - t_other)
         finally:
-            self._deferred = None
-        self._count_rows([row for entry in counts for row in entry])
+            self._stats.release()
+        self._stats.count_rows([row for entry in counts for row in entry])
         return results
 
     def _batch_results(self, batch, rows, counts, results, seconds):
         """Fill results[i] and counts[i] (statistics rows) for the batch rows (entry indices
         rows, in batch order) after batch.run(); the rows the kernel left finish here. The
-        caller has set self._deferred to a list and counts the rows afterwards."""
+        caller holds the statistics rows (StatsRecorder.hold) and counts them afterwards."""
         density, masked = self.density, batch.masking
         share = seconds / sum(row[0].numel for row in batch.rows)
         finished = batch.finished()
@@ -896,7 +832,7 @@ class DGCCore:
                     idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
                     results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
                                                     density)
-                counts[i], self._deferred = self._deferred, []
+                counts[i] = self._stats.take()
                 continue
             st = batch.rows[r][0]
             payload, start, count, words = done
@@ -905,31 +841,6 @@ class DGCCore:
             results[i] = ("sparse", payload, _BatchContext(
                 st.name, st.numel, batch, start, count, masked))
         batch.release()                  # the contexts keep only the output buffers
-
-    def _count_batch(self, sts, counts, words, seconds, density):
-        """Statistics of a batch whose rows the kernel all finished, as :meth:`_count_rows`
-        counts them row by row: sts (TensorState per row, in order; distinct names), counts /
-        words (selected entries and payload words per row), seconds (the whole call, shared by
-        element count). A step begins at the first row whose tensor this step has seen."""
-        names = self._step_names
-        j = next((r for r, st in enumerate(sts) if st.name in names), len(sts))
-        share = seconds / sum(st.numel for st in sts)
-        self._add_segment(sts[:j], counts[:j], words[:j], share, density)
-        if j < len(sts):
-            names.clear()
-            self._add_segment(sts[j:], counts[j:], words[j:], share, density)
-
-    def _add_segment(self, sts, counts, words, share, density):
-        if not sts:
-            return
-        names = self._step_names
-        if not names:                              # the first tensor of a step
-            self._new_step()
-        names.update(st.name for st in sts)
-        n = sum(st.numel for st in sts)
-        self._add_totals(len(sts), len(sts), n, sum(counts),
-                         4 * sum(words) + PLACEHOLDER_BYTES * len(sts), 0, share * n, density,
-                         PLACEHOLDER_BYTES * len(sts))
 
     def _check_args(self, name, grad, param):
         """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
@@ -979,8 +890,8 @@ class DGCCore:
             return self._finish_ops(st, idx, t0, sorted_=True)
         payload, vals, u_sent = kernels.finish(self, st, plan, idx)
         count = B.numel(idx)
-        self._count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
-                    time.perf_counter() - t0, density)
+        self._stats.count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
+                          time.perf_counter() - t0, density)
         return "sparse", payload, SparseContext(st.name, st.numel, idx, vals, u_sent)
 
     def _plan(self, st, g):
@@ -1007,8 +918,8 @@ class DGCCore:
             sent, vals, u_sent, fp16 = self._to_fp16(st, idx, vals, u_sent)
         payload = self._encode(st.numel, idx, sent)
         count = B.numel(idx)
-        self._count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
-                    time.perf_counter() - t0, fp16=fp16)
+        self._stats.count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
+                          time.perf_counter() - t0, self.density, fp16)
         return "sparse", payload, SparseContext(st.name, st.numel, None if vals is None else idx,
                                                 vals, u_sent)
 
@@ -1053,17 +964,14 @@ class DGCCore:
         placeholders of Horovod's allreduce for tensors DGC allreduces itself (which that
         allreduce also returns: pass them as ``received`` too)."""
         with self._lock:
-            for s in (self.step_stats, self.total_stats):
-                s.wire_bytes += nbytes
-                s.received_bytes += received
+            self._stats.add_wire_bytes(nbytes, received)
 
     def count_allgather(self, output_words, input_words):
         """Count what this rank received by one allgather of int32 words in the stats: Horovod's
         allgather returns every rank's input concatenated, so the rank received the output but
         its own input (``output_words - input_words`` words)."""
         with self._lock:
-            for s in (self.step_stats, self.total_stats):
-                s.received_bytes += 4 * (output_words - input_words)
+            self._stats.count_allgather(output_words, input_words)
 
     def decompress(self, gathered, ctx, world_size, average=True, ranks=None):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.
