@@ -74,42 +74,20 @@ from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_l
                                          clip_factor, clip_threshold, global_norm,
                                          momentum_correction, restore_sent,
                                          weight_decay_momentum)
+from dgc_horovod.core.checkpoint import STATE_DICT_VERSION, FitCheck
 from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
-from dgc_horovod.core.stats import (ADDED_FIELDS, PLACEHOLDER_BYTES, CompressionStats,
-                                    StatsRecorder)
+from dgc_horovod.core.stats import PLACEHOLDER_BYTES, StatsRecorder
 from dgc_horovod.core.warmup import density_at, density_at_step
-from dgc_horovod.core import kernels, wire
+from dgc_horovod.core import checkpoint, kernels, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
 #: The smallest magnitude a float16 cast rounds to ±inf (float16's largest value is 65504).
 FP16_OVERFLOW = 65520.0
-
-
-#: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load).
-STATE_DICT_VERSION = 2
-_STATE_KEYS = ("version", "config", "epoch", "steps", "world_size", "rank", "tensors",
-               "generator", "total_stats", "step_stats")
 #: In epoch-driven warm-up (warmup_epochs set), DGC warns once when this many steps ran and
 #: set_epoch / set_step was never called: the warm-up would then never advance.
 EPOCH_CALL_CHECK_STEPS = 1000
-_MISSING = object()
-
-
-def _stats_dict(stats):
-    return {k: getattr(stats, k) for k in CompressionStats.__slots__}
-
-
-def _stats_from(d, key):
-    fields = set(CompressionStats.__slots__)
-    if not isinstance(d, dict) or not fields - set(ADDED_FIELDS) <= set(d) <= fields:
-        raise ValueError(f"DGC state_dict {key!r} must be a dict of the CompressionStats fields "
-                         f"{', '.join(CompressionStats.__slots__)}")
-    out = CompressionStats()
-    for k in d:                 # counters added since the checkpoint was written stay 0
-        setattr(out, k, d[k])
-    return out
 
 
 class TensorState:
@@ -190,10 +168,7 @@ class DGCCore:
         self._steps = 0         # optimizer steps begun (the warm-up position counts them)
         self._epoch_set = False
         self._warned = set()
-        # after load_state_dict: the loaded tensor names, checked against the model's until the
-        # first step after the load has completed (check_fit); None when nothing is to check
-        self._fit = None
-        self._fit_began = False
+        self._fit = FitCheck()  # after load_state_dict: the loaded names (check_fit)
 
     # the statistics, counted by the core's StatsRecorder
     step_stats = property(lambda self: self._stats.step, doc=(
@@ -231,8 +206,7 @@ class DGCCore:
         since the last load / set_step)."""
         if self._stats.starts_step(name):
             self._steps += 1
-            if self._fit is not None:          # the first step after a load has completed
-                self._fit, self._fit_began = (None if self._fit_began else self._fit), True
+            self._fit.step_begins()
             c = self.config
             if (c.warmup_epochs is not None and not self._epoch_set
                     and self._steps > EPOCH_CALL_CHECK_STEPS
@@ -295,24 +269,9 @@ class DGCCore:
             dense tensors, wd is the separate weight decay's momentum buffer or None), generator (the threshold-sampling generator's state),
             total_stats and step_stats (CompressionStats counters as dicts).
         """
-        B = self.B
         with self._lock:
-            copy = (lambda t: None if t is None else B.state_copy(t))
-            tensors = {name: {"numel": st.numel, "ndim": st.ndim, "sparse": st.sparse,
-                              "u": copy(st.u), "v": copy(st.v), "wd": copy(st.wd)}
-                       for name, st in self.states.items()}
-            return {
-                "version": STATE_DICT_VERSION,
-                "config": self.config.to_dict(),
-                "epoch": self.epoch,
-                "steps": self._steps,
-                "world_size": world_size,
-                "rank": rank,
-                "tensors": tensors,
-                "generator": B.generator_state(self._generator),
-                "total_stats": _stats_dict(self._stats.total),
-                "step_stats": _stats_dict(self._stats.step),
-            }
+            return checkpoint.make(self.B, self.config, self.epoch, self._steps, world_size,
+                                   rank, self.states, self._generator, self._stats)
 
     def load_state_dict(self, state_dict, world_size=None, rank=None, reset_residuals=False):
         """Restore what :meth:`state_dict` returned; all checks run before anything changes.
@@ -337,68 +296,21 @@ class DGCCore:
         parameter compressed without a loaded state, raises a ValueError there naming a few of
         each (:meth:`check_fit`), until the checkpoint is loaded with reset_residuals=True.
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"DGC state_dict must be a dict, got {type(state_dict).__name__}")
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        if missing:
-            raise ValueError(f"not a DGC state_dict: missing key(s) {', '.join(missing)}")
-        if state_dict["version"] != STATE_DICT_VERSION:
-            raise ValueError(f"DGC state_dict version {state_dict['version']!r} is not supported "
-                             f"(this dgc_horovod writes and reads version {STATE_DICT_VERSION})")
-        saved, now = state_dict["config"], self.config.to_dict()
-        if not isinstance(saved, dict):
-            raise ValueError("DGC state_dict 'config' must be a dict (DGCConfig.to_dict())")
-        differ = sorted(k for k in set(saved) | set(now)
-                        if saved.get(k, _MISSING) != now.get(k, _MISSING))
-        if differ:
-            detail = "; ".join(f"{k}: saved {saved.get(k, '<absent>')!r}, now "
-                               f"{now.get(k, '<absent>')!r}" for k in differ)
-            raise ValueError(f"DGC checkpoint was saved with a different config "
-                             f"({', '.join(differ)} differ: {detail}); create DGC with the "
-                             "saved settings, "
-                             "DGCConfig(**state_dict['config'])")
-        saved_ws, saved_rank = state_dict["world_size"], state_dict["rank"]
-        if not reset_residuals:
-            if None not in (saved_ws, world_size) and saved_ws != world_size:
-                raise ValueError(
-                    f"DGC checkpoint was saved by a job of {saved_ws} ranks, this job has "
-                    f"{world_size}: DGC state is per rank (each rank's residuals hold the part of "
-                    "its own gradients it has not sent yet), so it cannot be mapped onto another "
-                    "world size. Resume with the same number of ranks, each loading its own file, "
-                    "or pass reset_residuals=True to keep config and warm-up epoch and restart "
-                    "the residuals at zero (the dropped residual is lost gradient, a small "
-                    "one-off perturbation). In a job with Horovod process sets, pass the DGC's "
-                    "process_set= to state_dict() and load_state_dict() (the default is the "
-                    "global set)")
-            if None not in (saved_rank, rank) and saved_rank != rank:
-                raise ValueError(
-                    f"DGC checkpoint was saved by rank {saved_rank}, loaded on rank {rank}: DGC "
-                    "state is per rank (residuals differ between ranks); each rank must load the "
-                    "file it saved itself (or pass reset_residuals=True)")
-        density_at(state_dict["epoch"], self.config.compress_ratio)     # validates the epoch
-        steps = state_dict["steps"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"DGC state_dict 'steps' must be an int >= 0, got {steps!r}")
-        states = {} if reset_residuals else self._states_from(state_dict["tensors"])
-        total, step = (_stats_from(state_dict[k], k) for k in ("total_stats", "step_stats"))
+        tensors, epoch, steps, stats = checkpoint.read(self.B, self.config, state_dict,
+                                                       world_size, rank, reset_residuals)
         with self._lock:
-            try:
-                self.B.set_generator_state(self._generator, state_dict["generator"])
-            except (TypeError, ValueError, KeyError, RuntimeError) as e:
-                raise ValueError(f"DGC state_dict 'generator' cannot be restored on the "
-                                 f"{self.B.name} backend: {e}") from e
-            self.states = states
-            self.epoch = float(state_dict["epoch"])
+            checkpoint.restore_generator(self.B, self._generator, state_dict["generator"])
+            self.states = {name: TensorState(name, *t) for name, t in tensors.items()}
+            self.epoch = epoch
             self._steps = steps
-            self._stats = StatsRecorder(step, total)
-            self._fit = frozenset(states) if states else None
-            self._fit_began = False
+            self._stats = stats
+            self._fit = FitCheck(tensors)
 
     @property
     def fit_pending(self):
         """True from a :meth:`load_state_dict` with tensor states until the first step after it
         has completed: the adapter then calls :meth:`check_fit`."""
-        return self._fit is not None
+        return self._fit.pending
 
     def check_fit(self, names):
         """After :meth:`load_state_dict`, until the first step after it has completed: raise a
@@ -406,75 +318,7 @@ class DGCCore:
         parameter the optimizer reduces (a checkpoint of another model, or saved under other
         names). A name compressed in that step without a loaded state is refused by compress
         itself. No-op otherwise. Changes nothing."""
-        fit = self._fit
-        if fit is None:
-            return
-        names = set(names)
-        stale = fit - names
-        if stale:
-            raise self._misfit(stale, names - fit)
-
-    def _check_fit_name(self, name):
-        """compress of ``name`` in the first step after a load: it must have a loaded state."""
-        fit = self._fit
-        if fit is not None and name not in fit:
-            raise self._misfit((), [name])
-
-    @staticmethod
-    def _misfit(stale, missing):
-        def few(names):
-            names = sorted(names)
-            shown = ", ".join(repr(n) for n in names[:3])
-            return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-        parts = []
-        if stale:
-            parts.append(f"{len(stale)} saved tensor state(s) match no parameter of the "
-                         f"optimizer ({few(stale)})")
-        if missing:
-            parts.append(f"{len(missing)} parameter(s) have no saved state ({few(missing)})")
-        return ValueError(
-            "DGC: the loaded checkpoint does not fit this model: " + "; ".join(parts) + ". Was "
-            "it saved under other names (a renamed or wrapped module, e.g. a 'module.' prefix) "
-            "or by another model? Resuming from it would start fresh residuals under the new "
-            "names and carry the stale ones into every later checkpoint. Load the matching file, "
-            "or load this one with dgc.load_state_dict(state_dict, reset_residuals=True): config, "
-            "warm-up position and generator are kept, the residuals restart at zero")
-
-    def _states_from(self, tensors):
-        B, c = self.B, self.config
-        if not isinstance(tensors, dict):
-            raise ValueError("DGC state_dict 'tensors' must be a dict "
-                             "{name: {numel, ndim, sparse, u, v, wd}}")
-        states = {}
-        for name, t in tensors.items():
-            try:
-                numel, ndim, sparse = t["numel"], t["ndim"], t["sparse"]
-                u, v, wd = t["u"], t["v"], t["wd"]
-            except (TypeError, KeyError):
-                raise ValueError(f"DGC state of {name!r} must be a dict with keys numel, ndim, "
-                                 "sparse, u, v, wd") from None
-            for key, value, low in (("numel", numel, 1), ("ndim", ndim, 0)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                    raise ValueError(f"DGC state of {name!r} has {key} {value!r}, not an int "
-                                     f">= {low}")
-            wire.check_numel(numel, name)
-            if bool(sparse) != is_sparse(numel, ndim, c):
-                raise ValueError(f"DGC state of {name!r} says sparse={sparse!r} for {numel} "
-                                 f"elements in {ndim} dimension(s), but min_sparse_numel="
-                                 f"{c.min_sparse_numel} and min_sparse_ndim={c.min_sparse_ndim}")
-            for key, tensor, wanted in (("u", u, c.momentum > 0), ("v", v, bool(sparse)),
-                                        ("wd", wd, None)):
-                if wanted is not None and (tensor is not None) != wanted:
-                    raise ValueError(f"DGC state of {name!r}: {key} is "
-                                     f"{'missing' if wanted else 'present but not expected'}")
-                if tensor is not None and B.numel(tensor) != numel:
-                    raise ValueError(f"DGC state of {name!r}: {key} has {B.numel(tensor)} "
-                                     f"elements, expected {numel}")
-            flat = (lambda x: None if x is None else B.float32_flat(x))
-            states[name] = TensorState(name, numel, bool(sparse), flat(u), flat(v), ndim,
-                                       flat(wd))
-        return states
+        self._fit.check(names)
 
     # ----------------------------------------------------------------- state
     def _state(self, name, grad):
@@ -693,7 +537,7 @@ class DGCCore:
                 seen.add(name)
         self._check_scale(clip_scale)
         for name, _, _ in entries:
-            self._check_fit_name(name)
+            self._fit.check_name(name)
         if not self.use_kernels or len(entries) < 2:
             for name, grad, param in entries:
                 self._check_entry(name, grad, param)
@@ -845,7 +689,7 @@ class DGCCore:
     def _check_args(self, name, grad, param):
         """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
         weight decay needs it, and after a load, a loaded state (:meth:`check_fit`)."""
-        self._check_fit_name(name)
+        self._fit.check_name(name)
         if not self.B.is_floating(grad):
             raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
                             f"got dtype {getattr(grad, 'dtype', type(grad))}")
