@@ -590,14 +590,13 @@ class DGCCore:
             return self._compress_mixed(entries, fused, world_size, clip, threads, t0)
 
     def _add_rows(self, batch, rows, world_size, clip):
-        """Add the fused entries rows = [(entry, (st, plan, g, gp))] to batch (their plans at the
-        current density; clipping (clip = (average, clip_scale)) and weight decay applied)."""
-        B, c, density = self.B, self.config, self.density
+        """Add the fused entries rows = [(entry, (st, plan, g, gp))] to batch (which refreshes
+        their plans for its density), clipping (clip = (average, clip_scale)) and weight decay
+        applied."""
+        B, c = self.B, self.config
         simple = c.clip_norm is None and not self.needs_param
         add = batch.add
         for (_, _, param), (st, plan, g, gp) in rows:
-            if density != plan.density:
-                plan.set_density(B, st.numel, c, density)
             scale = 1.0
             if not simple:
                 g, scale = self._accumulated(B.float32_view(g), param, world_size, *clip)
@@ -606,7 +605,7 @@ class DGCCore:
 
     def _compress_batch(self, entries, fused, world_size, clip, threads, t0):
         """compress_many when every entry is in the batch (the usual bucket)."""
-        batch = kernels.Batch(self, threads)
+        batch = kernels.Batch(self.B, self.config, self._generator, self.density, threads)
         self._add_rows(batch, zip(entries, fused.values()), world_size, clip)
         batch.run(like=batch.rows[0][0].v)
         seconds = time.perf_counter() - t0
@@ -632,7 +631,8 @@ class DGCCore:
     def _compress_mixed(self, entries, fused, world_size, clip, threads, t0):
         """compress_many when some entries run as in compress (dense, non-finite large, ...)."""
         results = [None] * len(entries)
-        batch, rows = kernels.Batch(self, threads), []
+        batch = kernels.Batch(self.B, self.config, self._generator, self.density, threads)
+        rows = []
         counts = [()] * len(entries)    # statistics rows per entry, added in entry order
         t_other = 0.0                   # time spent on the entries outside the batch
         self._stats.hold()
@@ -673,7 +673,8 @@ class DGCCore:
                     results[i] = self._nonfinite(st, batch.rows[r][2], time.perf_counter(),
                                                  drawn=True)
                 else:
-                    idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
+                    idx = kernels.select_rest(self.B, self.config, self._generator, st, plan,
+                                              thr, cnt, -1, None)
                     results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
                                                     density)
                 counts[i] = self._stats.take()
@@ -718,11 +719,9 @@ class DGCCore:
     def _compress_fused(self, st, plan, g, gp, scale, t0, threads):
         """The sparse branch of compress on the fused kernels (st.plan applies, g is the finite
         gradient to accumulate, with its clipping scale)."""
-        B, c = self.B, self.config
         density = self.density
-        if density != plan.density:
-            plan.set_density(B, st.numel, c, density)
-        idx = kernels.accumulate_select(self, st, plan, g, gp, scale, threads)
+        idx = kernels.accumulate_select(self.B, self.config, self._generator, st, plan, density,
+                                        g, gp, scale, threads)
         return self._fused_finish(st, plan, idx, t0, density)
 
     def _fused_finish(self, st, plan, idx, t0, density):
@@ -732,7 +731,7 @@ class DGCCore:
             if c.wire_index == "delta16":
                 idx = B.sort(idx)
             return self._finish_ops(st, idx, t0, sorted_=True)
-        payload, vals, u_sent = kernels.finish(self, st, plan, idx)
+        payload, vals, u_sent = kernels.finish(B, c, st, plan, idx)
         count = B.numel(idx)
         self._stats.count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
                           time.perf_counter() - t0, density)
