@@ -74,49 +74,20 @@ from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_l
                                          clip_factor, clip_threshold, global_norm,
                                          momentum_correction, restore_sent,
                                          weight_decay_momentum)
+from dgc_horovod.core.checkpoint import STATE_DICT_VERSION, FitCheck
 from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
-from dgc_horovod.core.stats import ADDED_FIELDS, CompressionStats
+from dgc_horovod.core.stats import PLACEHOLDER_BYTES, StatsRecorder
 from dgc_horovod.core.warmup import density_at, density_at_step
-from dgc_horovod.core import kernels, wire
+from dgc_horovod.core import checkpoint, kernels, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
 #: The smallest magnitude a float16 cast rounds to ±inf (float16's largest value is 65504).
 FP16_OVERFLOW = 65520.0
-#: Bytes of the 1-element float32 placeholder a sparsified tensor sends through the stock allreduce.
-PLACEHOLDER_BYTES = 4
-
-
-#: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load).
-STATE_DICT_VERSION = 2
-_STATE_KEYS = ("version", "config", "epoch", "steps", "world_size", "rank", "tensors",
-               "generator", "total_stats", "step_stats")
 #: In epoch-driven warm-up (warmup_epochs set), DGC warns once when this many steps ran and
 #: set_epoch / set_step was never called: the warm-up would then never advance.
 EPOCH_CALL_CHECK_STEPS = 1000
-_MISSING = object()
-
-
-def _allreduced_bytes(st):
-    """Bytes Horovod's allreduce carries for tensor st in a step, each way: the 1-element float32
-    placeholder of a sparsified tensor, the whole float32 velocity of a dense one."""
-    return PLACEHOLDER_BYTES if st.sparse else 4 * st.numel
-
-
-def _stats_dict(stats):
-    return {k: getattr(stats, k) for k in CompressionStats.__slots__}
-
-
-def _stats_from(d, key):
-    fields = set(CompressionStats.__slots__)
-    if not isinstance(d, dict) or not fields - set(ADDED_FIELDS) <= set(d) <= fields:
-        raise ValueError(f"DGC state_dict {key!r} must be a dict of the CompressionStats fields "
-                         f"{', '.join(CompressionStats.__slots__)}")
-    out = CompressionStats()
-    for k in d:                 # counters added since the checkpoint was written stay 0
-        setattr(out, k, d[k])
-    return out
 
 
 class TensorState:
@@ -192,18 +163,18 @@ class DGCCore:
         self.epoch = 0.0
         self._generator = backend.generator(config.seed)
         self._lock = threading.Lock()
-        self._step_names = set()
-        self.step_stats = CompressionStats()
-        self.total_stats = CompressionStats()
-        self._deferred = None   # compress_many: statistics rows waiting for entry order
+        self._stats = StatsRecorder()
         self.use_kernels = kernels.available() and backend.kernel_fma() is not None
         self._steps = 0         # optimizer steps begun (the warm-up position counts them)
         self._epoch_set = False
         self._warned = set()
-        # after load_state_dict: the loaded tensor names, checked against the model's until the
-        # first step after the load has completed (check_fit); None when nothing is to check
-        self._fit = None
-        self._fit_began = False
+        self._fit = FitCheck()  # after load_state_dict: the loaded names (check_fit)
+
+    # the statistics, counted by the core's StatsRecorder
+    step_stats = property(lambda self: self._stats.step, doc=(
+        "The current (or last) step's :class:`~dgc_horovod.core.stats.CompressionStats`."))
+    total_stats = property(lambda self: self._stats.total, doc=(
+        "The cumulative :class:`~dgc_horovod.core.stats.CompressionStats` of this rank."))
 
     # ----------------------------------------------------------------- warm-up
     @property
@@ -233,10 +204,9 @@ class DGCCore:
         """Called at each compress / compress_many (lock held) with its first tensor's name:
         counts a new step when that tensor was already compressed in this step (or nothing was
         since the last load / set_step)."""
-        if not self._step_names or name in self._step_names:
+        if self._stats.starts_step(name):
             self._steps += 1
-            if self._fit is not None:          # the first step after a load has completed
-                self._fit, self._fit_began = (None if self._fit_began else self._fit), True
+            self._fit.step_begins()
             c = self.config
             if (c.warmup_epochs is not None and not self._epoch_set
                     and self._steps > EPOCH_CALL_CHECK_STEPS
@@ -273,7 +243,7 @@ class DGCCore:
         if self.config.warmup_epochs is None:
             with self._lock:
                 self._steps = step
-                self._step_names = set()
+                self._stats.restart()
             return
         if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r} "
@@ -299,24 +269,9 @@ class DGCCore:
             dense tensors, wd is the separate weight decay's momentum buffer or None), generator (the threshold-sampling generator's state),
             total_stats and step_stats (CompressionStats counters as dicts).
         """
-        B = self.B
         with self._lock:
-            copy = (lambda t: None if t is None else B.state_copy(t))
-            tensors = {name: {"numel": st.numel, "ndim": st.ndim, "sparse": st.sparse,
-                              "u": copy(st.u), "v": copy(st.v), "wd": copy(st.wd)}
-                       for name, st in self.states.items()}
-            return {
-                "version": STATE_DICT_VERSION,
-                "config": self.config.to_dict(),
-                "epoch": self.epoch,
-                "steps": self._steps,
-                "world_size": world_size,
-                "rank": rank,
-                "tensors": tensors,
-                "generator": B.generator_state(self._generator),
-                "total_stats": _stats_dict(self.total_stats),
-                "step_stats": _stats_dict(self.step_stats),
-            }
+            return checkpoint.make(self.B, self.config, self.epoch, self._steps, world_size,
+                                   rank, self.states, self._generator, self._stats)
 
     def load_state_dict(self, state_dict, world_size=None, rank=None, reset_residuals=False):
         """Restore what :meth:`state_dict` returned; all checks run before anything changes.
@@ -341,69 +296,21 @@ class DGCCore:
         parameter compressed without a loaded state, raises a ValueError there naming a few of
         each (:meth:`check_fit`), until the checkpoint is loaded with reset_residuals=True.
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"DGC state_dict must be a dict, got {type(state_dict).__name__}")
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        if missing:
-            raise ValueError(f"not a DGC state_dict: missing key(s) {', '.join(missing)}")
-        if state_dict["version"] != STATE_DICT_VERSION:
-            raise ValueError(f"DGC state_dict version {state_dict['version']!r} is not supported "
-                             f"(this dgc_horovod writes and reads version {STATE_DICT_VERSION})")
-        saved, now = state_dict["config"], self.config.to_dict()
-        if not isinstance(saved, dict):
-            raise ValueError("DGC state_dict 'config' must be a dict (DGCConfig.to_dict())")
-        differ = sorted(k for k in set(saved) | set(now)
-                        if saved.get(k, _MISSING) != now.get(k, _MISSING))
-        if differ:
-            detail = "; ".join(f"{k}: saved {saved.get(k, '<absent>')!r}, now "
-                               f"{now.get(k, '<absent>')!r}" for k in differ)
-            raise ValueError(f"DGC checkpoint was saved with a different config "
-                             f"({', '.join(differ)} differ: {detail}); create DGC with the "
-                             "saved settings, "
-                             "DGCConfig(**state_dict['config'])")
-        saved_ws, saved_rank = state_dict["world_size"], state_dict["rank"]
-        if not reset_residuals:
-            if None not in (saved_ws, world_size) and saved_ws != world_size:
-                raise ValueError(
-                    f"DGC checkpoint was saved by a job of {saved_ws} ranks, this job has "
-                    f"{world_size}: DGC state is per rank (each rank's residuals hold the part of "
-                    "its own gradients it has not sent yet), so it cannot be mapped onto another "
-                    "world size. Resume with the same number of ranks, each loading its own file, "
-                    "or pass reset_residuals=True to keep config and warm-up epoch and restart "
-                    "the residuals at zero (the dropped residual is lost gradient, a small "
-                    "one-off perturbation). In a job with Horovod process sets, pass the DGC's "
-                    "process_set= to state_dict() and load_state_dict() (the default is the "
-                    "global set)")
-            if None not in (saved_rank, rank) and saved_rank != rank:
-                raise ValueError(
-                    f"DGC checkpoint was saved by rank {saved_rank}, loaded on rank {rank}: DGC "
-                    "state is per rank (residuals differ between ranks); each rank must load the "
-                    "file it saved itself (or pass reset_residuals=True)")
-        density_at(state_dict["epoch"], self.config.compress_ratio)     # validates the epoch
-        steps = state_dict["steps"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"DGC state_dict 'steps' must be an int >= 0, got {steps!r}")
-        states = {} if reset_residuals else self._states_from(state_dict["tensors"])
-        total, step = (_stats_from(state_dict[k], k) for k in ("total_stats", "step_stats"))
+        tensors, epoch, steps, stats = checkpoint.read(self.B, self.config, state_dict,
+                                                       world_size, rank, reset_residuals)
         with self._lock:
-            try:
-                self.B.set_generator_state(self._generator, state_dict["generator"])
-            except (TypeError, ValueError, KeyError, RuntimeError) as e:
-                raise ValueError(f"DGC state_dict 'generator' cannot be restored on the "
-                                 f"{self.B.name} backend: {e}") from e
-            self.states = states
-            self.epoch = float(state_dict["epoch"])
+            checkpoint.restore_generator(self.B, self._generator, state_dict["generator"])
+            self.states = {name: TensorState(name, *t) for name, t in tensors.items()}
+            self.epoch = epoch
             self._steps = steps
-            self.total_stats, self.step_stats = total, step
-            self._step_names = set()
-            self._fit = frozenset(states) if states else None
-            self._fit_began = False
+            self._stats = stats
+            self._fit = FitCheck(tensors)
 
     @property
     def fit_pending(self):
         """True from a :meth:`load_state_dict` with tensor states until the first step after it
         has completed: the adapter then calls :meth:`check_fit`."""
-        return self._fit is not None
+        return self._fit.pending
 
     def check_fit(self, names):
         """After :meth:`load_state_dict`, until the first step after it has completed: raise a
@@ -411,75 +318,7 @@ class DGCCore:
         parameter the optimizer reduces (a checkpoint of another model, or saved under other
         names). A name compressed in that step without a loaded state is refused by compress
         itself. No-op otherwise. Changes nothing."""
-        fit = self._fit
-        if fit is None:
-            return
-        names = set(names)
-        stale = fit - names
-        if stale:
-            raise self._misfit(stale, names - fit)
-
-    def _check_fit_name(self, name):
-        """compress of ``name`` in the first step after a load: it must have a loaded state."""
-        fit = self._fit
-        if fit is not None and name not in fit:
-            raise self._misfit((), [name])
-
-    @staticmethod
-    def _misfit(stale, missing):
-        def few(names):
-            names = sorted(names)
-            shown = ", ".join(repr(n) for n in names[:3])
-            return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-        parts = []
-        if stale:
-            parts.append(f"{len(stale)} saved tensor state(s) match no parameter of the "
-                         f"optimizer ({few(stale)})")
-        if missing:
-            parts.append(f"{len(missing)} parameter(s) have no saved state ({few(missing)})")
-        return ValueError(
-            "DGC: the loaded checkpoint does not fit this model: " + "; ".join(parts) + ". Was "
-            "it saved under other names (a renamed or wrapped module, e.g. a 'module.' prefix) "
-            "or by another model? Resuming from it would start fresh residuals under the new "
-            "names and carry the stale ones into every later checkpoint. Load the matching file, "
-            "or load this one with dgc.load_state_dict(state_dict, reset_residuals=True): config, "
-            "warm-up position and generator are kept, the residuals restart at zero")
-
-    def _states_from(self, tensors):
-        B, c = self.B, self.config
-        if not isinstance(tensors, dict):
-            raise ValueError("DGC state_dict 'tensors' must be a dict "
-                             "{name: {numel, ndim, sparse, u, v, wd}}")
-        states = {}
-        for name, t in tensors.items():
-            try:
-                numel, ndim, sparse = t["numel"], t["ndim"], t["sparse"]
-                u, v, wd = t["u"], t["v"], t["wd"]
-            except (TypeError, KeyError):
-                raise ValueError(f"DGC state of {name!r} must be a dict with keys numel, ndim, "
-                                 "sparse, u, v, wd") from None
-            for key, value, low in (("numel", numel, 1), ("ndim", ndim, 0)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                    raise ValueError(f"DGC state of {name!r} has {key} {value!r}, not an int "
-                                     f">= {low}")
-            wire.check_numel(numel, name)
-            if bool(sparse) != is_sparse(numel, ndim, c):
-                raise ValueError(f"DGC state of {name!r} says sparse={sparse!r} for {numel} "
-                                 f"elements in {ndim} dimension(s), but min_sparse_numel="
-                                 f"{c.min_sparse_numel} and min_sparse_ndim={c.min_sparse_ndim}")
-            for key, tensor, wanted in (("u", u, c.momentum > 0), ("v", v, bool(sparse)),
-                                        ("wd", wd, None)):
-                if wanted is not None and (tensor is not None) != wanted:
-                    raise ValueError(f"DGC state of {name!r}: {key} is "
-                                     f"{'missing' if wanted else 'present but not expected'}")
-                if tensor is not None and B.numel(tensor) != numel:
-                    raise ValueError(f"DGC state of {name!r}: {key} has {B.numel(tensor)} "
-                                     f"elements, expected {numel}")
-            flat = (lambda x: None if x is None else B.float32_flat(x))
-            states[name] = TensorState(name, numel, bool(sparse), flat(u), flat(v), ndim,
-                                       flat(wd))
-        return states
+        self._fit.check(names)
 
     # ----------------------------------------------------------------- state
     def _state(self, name, grad):
@@ -496,66 +335,6 @@ class DGCCore:
             raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
                              f"created for {st.numel}")
         return st
-
-    def _count(self, st, selected, wire_bytes, nonfinite, seconds, density=None, fp16=(0, 0)):
-        row = (st, selected, wire_bytes, nonfinite, seconds,
-               self.density if density is None else density, fp16)
-        if self._deferred is not None:           # inside compress_many: counted in entry order
-            self._deferred.append(row)
-        else:
-            self._count_rows((row,))
-
-    def _count_rows(self, rows):
-        """Add rows [(st, selected, wire_bytes, nonfinite, seconds, density, (overflowed,
-        flushed))], in order, to the statistics: a tensor seen again in this step starts a new
-        step."""
-        names, seg = self._step_names, []
-        for row in rows:
-            name = row[0].name
-            if name in names:                      # a tensor seen again: a new step has begun
-                self._add_counts(seg)
-                seg = []
-                names.clear()
-            if not names:                          # the first tensor of a step
-                self._new_step()
-            names.add(name)
-            seg.append(row)
-        self._add_counts(seg)
-
-    def _new_step(self):
-        """Statistics for a step that begins now (fresh step_stats: after load_state_dict the
-        loaded ones describe the step before)."""
-        self.step_stats = CompressionStats()
-        self.step_stats.steps = 1
-        self.total_stats.steps += 1
-
-    def _add_counts(self, seg):
-        if not seg:
-            return
-        self._add_totals(len(seg), sum(int(r[0].sparse) for r in seg),
-                         sum(r[0].numel for r in seg), sum(r[1] for r in seg),
-                         sum(r[2] for r in seg), sum(int(r[3]) for r in seg),
-                         sum(r[4] for r in seg), seg[-1][5],
-                         sum(_allreduced_bytes(r[0]) for r in seg),
-                         sum(r[6][0] for r in seg), sum(r[6][1] for r in seg))
-
-    def _add_totals(self, tensors, sparse, elements, selected, wire_bytes, nonfinite, seconds,
-                    density, received, overflowed=0, flushed=0):
-        """Add a run of tensors of the current step to step_stats and total_stats (received:
-        what Horovod's allreduce returns for them, :func:`_allreduced_bytes`)."""
-        for s in (self.step_stats, self.total_stats):
-            s.tensors += tensors
-            s.sparse_tensors += sparse
-            s.elements += elements
-            s.selected += selected
-            s.wire_bytes += wire_bytes
-            s.received_bytes += received
-            s.dense_bytes += 4 * elements
-            s.nonfinite_tensors += nonfinite
-            s.overflowed_entries += overflowed
-            s.flushed_entries += flushed
-            s.compress_seconds += seconds
-            s.density = density
 
     # ----------------------------------------------------------------- compress / decompress
     def compress(self, name, grad, world_size, param=None, average=True, clip_scale=None):
@@ -616,7 +395,8 @@ class DGCCore:
         if not st.sparse:
             v = B.zeros(st.numel, like=g)
             momentum_correction(B, st.u, v, g, c.momentum, c.nesterov, scale)
-            self._count(st, 0, 4 * st.numel, False, time.perf_counter() - t0)
+            self._stats.count(st, 0, 4 * st.numel, False, time.perf_counter() - t0,
+                              self.density)
             return "dense", v, None
         momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov, scale)
         k = k_for(st.numel, self.density)
@@ -725,7 +505,7 @@ class DGCCore:
             nbytes = 4 * B.numel(out) + PLACEHOLDER_BYTES
         else:
             result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
-        self._count(st, 0, nbytes, True, time.perf_counter() - t0)
+        self._stats.count(st, 0, nbytes, True, time.perf_counter() - t0, self.density)
         return result
 
     def compress_many(self, entries, world_size, average=True, clip_scale=None):
@@ -757,7 +537,7 @@ class DGCCore:
                 seen.add(name)
         self._check_scale(clip_scale)
         for name, _, _ in entries:
-            self._check_fit_name(name)
+            self._fit.check_name(name)
         if not self.use_kernels or len(entries) < 2:
             for name, grad, param in entries:
                 self._check_entry(name, grad, param)
@@ -810,14 +590,13 @@ class DGCCore:
             return self._compress_mixed(entries, fused, world_size, clip, threads, t0)
 
     def _add_rows(self, batch, rows, world_size, clip):
-        """Add the fused entries rows = [(entry, (st, plan, g, gp))] to batch (their plans at the
-        current density; clipping (clip = (average, clip_scale)) and weight decay applied)."""
-        B, c, density = self.B, self.config, self.density
+        """Add the fused entries rows = [(entry, (st, plan, g, gp))] to batch (which refreshes
+        their plans for its density), clipping (clip = (average, clip_scale)) and weight decay
+        applied."""
+        B, c = self.B, self.config
         simple = c.clip_norm is None and not self.needs_param
         add = batch.add
         for (_, _, param), (st, plan, g, gp) in rows:
-            if density != plan.density:
-                plan.set_density(B, st.numel, c, density)
             scale = 1.0
             if not simple:
                 g, scale = self._accumulated(B.float32_view(g), param, world_size, *clip)
@@ -826,7 +605,7 @@ class DGCCore:
 
     def _compress_batch(self, entries, fused, world_size, clip, threads, t0):
         """compress_many when every entry is in the batch (the usual bucket)."""
-        batch = kernels.Batch(self, threads)
+        batch = kernels.Batch(self.B, self.config, self._generator, self.density, threads)
         self._add_rows(batch, zip(entries, fused.values()), world_size, clip)
         batch.run(like=batch.rows[0][0].v)
         seconds = time.perf_counter() - t0
@@ -837,25 +616,26 @@ class DGCCore:
                        for st, pay, start, cnt in zip(sts, batch.payloads, batch.starts,
                                                       batch.counts)]
             batch.release()
-            self._count_batch(sts, batch.counts, batch.words, seconds, self.density)
+            self._stats.count_batch(sts, batch.counts, batch.words, seconds, self.density)
             return results
         n = len(entries)
         results, counts = [None] * n, [()] * n
-        self._deferred = []
+        self._stats.hold()
         try:
             self._batch_results(batch, list(range(n)), counts, results, seconds)
         finally:
-            self._deferred = None
-        self._count_rows([row for entry in counts for row in entry])
+            self._stats.release()
+        self._stats.count_rows([row for entry in counts for row in entry])
         return results
 
     def _compress_mixed(self, entries, fused, world_size, clip, threads, t0):
         """compress_many when some entries run as in compress (dense, non-finite large, ...)."""
         results = [None] * len(entries)
-        batch, rows = kernels.Batch(self, threads), []
+        batch = kernels.Batch(self.B, self.config, self._generator, self.density, threads)
+        rows = []
         counts = [()] * len(entries)    # statistics rows per entry, added in entry order
         t_other = 0.0                   # time spent on the entries outside the batch
-        self._deferred = []
+        self._stats.hold()
         try:
             # in entry order, so the random draws come in the order compress() makes them
             for i, (name, grad, param) in enumerate(entries):
@@ -864,7 +644,7 @@ class DGCCore:
                     batch.draw()                 # the batch rows' draws come first
                     t1 = time.perf_counter()
                     results[i] = self._compress_locked(name, grad, world_size, param, t1, *clip)
-                    counts[i], self._deferred = self._deferred, []
+                    counts[i] = self._stats.take()
                     t_other += time.perf_counter() - t1
                     continue
                 rows.append(i)
@@ -874,14 +654,14 @@ class DGCCore:
                 self._batch_results(batch, rows, counts, results,
                                     time.perf_counter() - t0 - t_other)
         finally:
-            self._deferred = None
-        self._count_rows([row for entry in counts for row in entry])
+            self._stats.release()
+        self._stats.count_rows([row for entry in counts for row in entry])
         return results
 
     def _batch_results(self, batch, rows, counts, results, seconds):
         """Fill results[i] and counts[i] (statistics rows) for the batch rows (entry indices
         rows, in batch order) after batch.run(); the rows the kernel left finish here. The
-        caller has set self._deferred to a list and counts the rows afterwards."""
+        caller holds the statistics rows (StatsRecorder.hold) and counts them afterwards."""
         density, masked = self.density, batch.masking
         share = seconds / sum(row[0].numel for row in batch.rows)
         finished = batch.finished()
@@ -893,10 +673,11 @@ class DGCCore:
                     results[i] = self._nonfinite(st, batch.rows[r][2], time.perf_counter(),
                                                  drawn=True)
                 else:
-                    idx = kernels.select_rest(self, st, plan, thr, cnt, -1, None)
+                    idx = kernels.select_rest(self.B, self.config, self._generator, st, plan,
+                                              thr, cnt, -1, None)
                     results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
                                                     density)
-                counts[i], self._deferred = self._deferred, []
+                counts[i] = self._stats.take()
                 continue
             st = batch.rows[r][0]
             payload, start, count, words = done
@@ -906,35 +687,10 @@ class DGCCore:
                 st.name, st.numel, batch, start, count, masked))
         batch.release()                  # the contexts keep only the output buffers
 
-    def _count_batch(self, sts, counts, words, seconds, density):
-        """Statistics of a batch whose rows the kernel all finished, as :meth:`_count_rows`
-        counts them row by row: sts (TensorState per row, in order; distinct names), counts /
-        words (selected entries and payload words per row), seconds (the whole call, shared by
-        element count). A step begins at the first row whose tensor this step has seen."""
-        names = self._step_names
-        j = next((r for r, st in enumerate(sts) if st.name in names), len(sts))
-        share = seconds / sum(st.numel for st in sts)
-        self._add_segment(sts[:j], counts[:j], words[:j], share, density)
-        if j < len(sts):
-            names.clear()
-            self._add_segment(sts[j:], counts[j:], words[j:], share, density)
-
-    def _add_segment(self, sts, counts, words, share, density):
-        if not sts:
-            return
-        names = self._step_names
-        if not names:                              # the first tensor of a step
-            self._new_step()
-        names.update(st.name for st in sts)
-        n = sum(st.numel for st in sts)
-        self._add_totals(len(sts), len(sts), n, sum(counts),
-                         4 * sum(words) + PLACEHOLDER_BYTES * len(sts), 0, share * n, density,
-                         PLACEHOLDER_BYTES * len(sts))
-
     def _check_args(self, name, grad, param):
         """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
         weight decay needs it, and after a load, a loaded state (:meth:`check_fit`)."""
-        self._check_fit_name(name)
+        self._fit.check_name(name)
         if not self.B.is_floating(grad):
             raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
                             f"got dtype {getattr(grad, 'dtype', type(grad))}")
@@ -963,11 +719,9 @@ class DGCCore:
     def _compress_fused(self, st, plan, g, gp, scale, t0, threads):
         """The sparse branch of compress on the fused kernels (st.plan applies, g is the finite
         gradient to accumulate, with its clipping scale)."""
-        B, c = self.B, self.config
         density = self.density
-        if density != plan.density:
-            plan.set_density(B, st.numel, c, density)
-        idx = kernels.accumulate_select(self, st, plan, g, gp, scale, threads)
+        idx = kernels.accumulate_select(self.B, self.config, self._generator, st, plan, density,
+                                        g, gp, scale, threads)
         return self._fused_finish(st, plan, idx, t0, density)
 
     def _fused_finish(self, st, plan, idx, t0, density):
@@ -977,10 +731,10 @@ class DGCCore:
             if c.wire_index == "delta16":
                 idx = B.sort(idx)
             return self._finish_ops(st, idx, t0, sorted_=True)
-        payload, vals, u_sent = kernels.finish(self, st, plan, idx)
+        payload, vals, u_sent = kernels.finish(B, c, st, plan, idx)
         count = B.numel(idx)
-        self._count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
-                    time.perf_counter() - t0, density)
+        self._stats.count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
+                          time.perf_counter() - t0, density)
         return "sparse", payload, SparseContext(st.name, st.numel, idx, vals, u_sent)
 
     def _plan(self, st, g):
@@ -1007,8 +761,8 @@ class DGCCore:
             sent, vals, u_sent, fp16 = self._to_fp16(st, idx, vals, u_sent)
         payload = self._encode(st.numel, idx, sent)
         count = B.numel(idx)
-        self._count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
-                    time.perf_counter() - t0, fp16=fp16)
+        self._stats.count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
+                          time.perf_counter() - t0, self.density, fp16)
         return "sparse", payload, SparseContext(st.name, st.numel, None if vals is None else idx,
                                                 vals, u_sent)
 
@@ -1053,17 +807,14 @@ class DGCCore:
         placeholders of Horovod's allreduce for tensors DGC allreduces itself (which that
         allreduce also returns: pass them as ``received`` too)."""
         with self._lock:
-            for s in (self.step_stats, self.total_stats):
-                s.wire_bytes += nbytes
-                s.received_bytes += received
+            self._stats.add_wire_bytes(nbytes, received)
 
     def count_allgather(self, output_words, input_words):
         """Count what this rank received by one allgather of int32 words in the stats: Horovod's
         allgather returns every rank's input concatenated, so the rank received the output but
         its own input (``output_words - input_words`` words)."""
         with self._lock:
-            for s in (self.step_stats, self.total_stats):
-                s.received_bytes += 4 * (output_words - input_words)
+            self._stats.count_allgather(output_words, input_words)
 
     def decompress(self, gathered, ctx, world_size, average=True, ranks=None):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.

@@ -1,7 +1,7 @@
 """The fused CPU path of DGC's compress step: one C kernel call instead of ~40 tensor ops.
 
-:class:`dgc_horovod.core.compressor.DGCCore` calls :func:`compress_sparse` for a sparsified
-tensor when the compiled extension ``dgc_horovod.core._kernels`` (``_kernels.c``, built by
+:class:`dgc_horovod.core.compressor.DGCCore` calls :func:`accumulate_select` and :func:`finish`
+for a sparsified tensor when the compiled extension ``dgc_horovod.core._kernels`` (``_kernels.c``, built by
 ``pip install``) is present and the backend hands out raw pointers for the tensors
 (:meth:`Backend.kernel_ptr`: CPU, contiguous; the state and the float32 view of the gradient
 always are on CPU). Otherwise — CUDA tensors, TensorFlow, extension not built, or
@@ -26,6 +26,9 @@ encodes them all, spreading the work over a persistent pool of threads (a tensor
 :data:`SMALL_NUMEL` = 262,144 elements is one task that checks it and does the rest while it is
 in cache; larger ones are checked first, then cut in chunks of 65,536 elements). Same arithmetic,
 same results.
+
+The glue takes what it uses, not the core: the backend, the config, the generator the sample
+draws come from, and the density in force (a tensor's :class:`Plan` is refreshed when it changed).
 """
 import math
 import os
@@ -121,6 +124,11 @@ class Plan:
         self.masking = config.momentum_masking and st.u is not None
         self.set_density(B, n, config, density)
 
+    def use_density(self, B, n, config, density):
+        """Refresh the plan for the density in force (nothing to do when it has not changed)."""
+        if density != self.density:
+            self.set_density(B, n, config, density)
+
     def set_density(self, B, n, config, density):
         from dgc_horovod.core.sparsify import k_for, sample_count
         self.density = density
@@ -159,14 +167,15 @@ def all_finite(n, gp, threads=1):
     return _kernels.all_finite(gp, n, threads)
 
 
-def accumulate_select(core, st, plan, g, gp, scale, threads=1):
+def accumulate_select(B, config, generator, st, plan, density, g, gp, scale, threads=1):
     """Accumulate a finite gradient into st.u / st.v and select what to send (fused path).
 
     The kernel twin of :func:`accumulate.momentum_correction` → :func:`sparsify.select_topk` in
     :meth:`DGCCore.compress` (which has applied weight decay, checked that g is finite and that
-    the kernels apply to this tensor). Args: core (DGCCore), st (TensorState), plan (Plan), g
-    (flat float32 gradient, read only) and gp (its pointer), scale (float, the clipping factor
-    still to apply to g), threads (int, for the kernel). Returns the int64 index
+    the kernels apply to this tensor). Args: B (Backend), config (DGCConfig), generator (the
+    backend's, for the sample draws), st (TensorState), plan (Plan), density (float, in force
+    now), g (flat float32 gradient, read only) and gp (its pointer), scale (float, the clipping
+    factor still to apply to g), threads (int, for the kernel). Returns the int64 index
     tensor of the positions to send (unique, a new tensor that the caller may sort in place;
     unordered, or ascending for delta16).
 
@@ -175,31 +184,31 @@ def accumulate_select(core, st, plan, g, gp, scale, threads=1):
     when that set is unique (no tie at the k-th largest magnitude); otherwise, and always for
     int32 indices (whose payload keeps the selection's order), the backend's top-k does.
     """
-    B, c = core.B, core.config
-    n = st.numel
+    c, n = config, st.numel
+    plan.use_density(B, n, c, density)
     if not plan.sampled:
         _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum, scale,
                       0, 0, 0, 0, 0, 0, threads)
-        return select_rest(core, st, plan, 0.0, 0, -1, None)
-    uni = B.sample_uniform(plan.s, core._generator, plan.uni)
+        return select_rest(B, c, generator, st, plan, 0.0, 0, -1, None)
+    uni = B.sample_uniform(plan.s, generator, plan.uni)
     k = plan.k
     out = B.empty(k, "int64", like=st.v) if c.wire_index == "delta16" else None
     thr, cnt, nsel = _kernels.step(gp, plan.up, plan.vp, n, plan.mode, plan.fma, c.momentum,
                                    scale, B.kernel_ptr(uni), plan.s, plan.ks, plan.cidx_p,
                                    plan.cmag_p, plan.cap, threads, k,
                                    0 if out is None else B.kernel_ptr(out))
-    return select_rest(core, st, plan, thr, cnt, nsel, out)
+    return select_rest(B, c, generator, st, plan, thr, cnt, nsel, out)
 
 
-def select_rest(core, st, plan, thr, cnt, nsel, out):
+def select_rest(B, config, generator, st, plan, thr, cnt, nsel, out):
     """The selection after the kernel's step: the kernel's own (nsel >= 0: ``out`` holds it) or,
     from its threshold ``thr`` and candidate count ``cnt``, the backend's exact top-k among the
     candidates (count > k, or ties), over v (fewer than k/2 candidates), or a rescan of v (more
     candidates than the plan's buffers hold). Returns the int64 index tensor (see
     :func:`accumulate_select`)."""
-    B, k = core.B, plan.k
+    k = plan.k
     if not plan.sampled:
-        return select_topk(B, st.v, k, core.config.sample_ratio, True, core._generator)
+        return select_topk(B, st.v, k, config.sample_ratio, True, generator)
     if nsel >= 0 and out is not None:                  # the kernel selected (ascending)
         return out if nsel == k else B.slice(out, 0, nsel)
     if cnt > plan.cap:                                 # too many to keep: find them again
@@ -222,7 +231,7 @@ def select_rest(core, st, plan, thr, cnt, nsel, out):
     return idx
 
 
-def finish(core, st, plan, idx):
+def finish(B, config, st, plan, idx):
     """Gather, clear and encode the sent positions idx (float32 values only; fused path).
 
     The kernel twin of sort (delta16) → take v, u → :func:`accumulate.clear_sent` →
@@ -231,7 +240,7 @@ def finish(core, st, plan, idx):
     Returns (payload, vals, u_sent): the flat int32 payload, the float32 values sent, and the
     velocity at the sent positions before momentum factor masking (None without masking).
     """
-    B, c = core.B, core.config
+    c = config
     count = B.numel(idx)
     masking = c.momentum_masking and st.u is not None
     vals = B.empty(count, "float32", like=st.v)
@@ -294,10 +303,11 @@ class Batch:
     :meth:`finished` gives the same per finished row in any case.
     """
 
-    def __init__(self, core, threads):
-        self.core, self.threads = core, threads
-        self.masking = core.config.momentum_masking and core.config.momentum > 0
-        self.momentum = core.config.momentum
+    def __init__(self, B, config, generator, density, threads):
+        self.B, self.generator, self.density, self.threads = B, generator, density, threads
+        self.config = config
+        self.masking = config.momentum_masking and config.momentum > 0
+        self.momentum = config.momentum
         self.rows = []          # (st, plan, g) per row: kept alive until the kernel ran
         self.gps = array("q")   # the gradients' addresses
         self.desc, self.fdesc = array("q"), array("d")
@@ -307,7 +317,9 @@ class Batch:
 
     def add(self, st, plan, g, gp, scale):
         """A finite gradient (flat float32 data at address gp, kept alive by g) of st, clipping
-        scale already applied for weight decay (see accumulate_select)."""
+        scale already applied for weight decay (see accumulate_select); the plan is refreshed for
+        the batch's density."""
+        plan.use_density(self.B, st.numel, self.config, self.density)
         self.desc.extend(plan.row)
         self.gps.append(gp)
         self.fdesc.extend((self.momentum, scale, 0.0))
@@ -318,13 +330,12 @@ class Batch:
         s = sum(self.desc[self.drawn * _NF + _F_NPOS::_NF])
         self.drawn = len(self.rows)
         if s:
-            core = self.core
-            self.uniforms.append(core.B.sample_uniform(s, core._generator))
+            self.uniforms.append(self.B.sample_uniform(s, self.generator))
 
     def run(self, like):
         """Draw what is left to draw and run the kernel (state changes here). Raises
         ValueError/MemoryError on a kernel error (bad arguments: a bug, not a user error)."""
-        B = self.core.B
+        B = self.B
         self.draw()
         uni = self.uniforms
         uni = (uni[0] if len(uni) == 1 else B.cat(uni)) if uni else B.empty(1, "float64", like)
@@ -363,7 +374,7 @@ class Batch:
                 start += nsel
         if not done:
             return {}
-        B = self.core.B
+        B = self.B
         pays = B.split(self.payload, words + [B.numel(self.payload) - sum(words)])
         return {r: (pays[j], a, cnt, words[j]) for j, (r, a, cnt) in enumerate(done)}
 
@@ -374,7 +385,7 @@ class Batch:
 
     def views(self, start, count, masked):
         """(indices, values, u_sent) of a finished row: views of the batch buffers."""
-        B = self.core.B
+        B = self.B
         end = start + count
         return (B.slice(self.out, start, end), B.slice(self.vals, start, end),
                 B.slice(self.usent, start, end) if masked else None)

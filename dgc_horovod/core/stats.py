@@ -1,6 +1,13 @@
-"""What DGC put on and took off the wire: per-step and cumulative counters (`CompressionStats`)."""
+"""What DGC put on and took off the wire: per-step and cumulative counters (`CompressionStats`),
+and :class:`StatsRecorder`, which counts them for :class:`~dgc_horovod.core.compressor.DGCCore`.
 
-__all__ = ["CompressionStats", "ADDED_FIELDS"]
+Statistics observe Algorithm 1 and change nothing in it.
+"""
+
+__all__ = ["CompressionStats", "ADDED_FIELDS", "StatsRecorder", "PLACEHOLDER_BYTES"]
+
+#: Bytes of the 1-element float32 placeholder a sparsified tensor sends through the stock allreduce.
+PLACEHOLDER_BYTES = 4
 
 #: Counters added after checkpoint format version 2 was first written: a state dict without them
 #: (saved by an earlier dgc_horovod) loads with them at 0.
@@ -86,3 +93,148 @@ class CompressionStats:
                 f"received_bytes={self.received_bytes}, dense_bytes={self.dense_bytes}, "
                 f"ratio={self.ratio:.1f}x, received_ratio={self.received_ratio:.1f}x, "
                 f"density={self.density:.6g}, nonfinite_tensors={self.nonfinite_tensors}{fp16})")
+
+
+def _allreduced_bytes(st):
+    """Bytes Horovod's allreduce carries for tensor st in a step, each way: the 1-element float32
+    placeholder of a sparsified tensor, the whole float32 velocity of a dense one."""
+    return PLACEHOLDER_BYTES if st.sparse else 4 * st.numel
+
+
+class StatsRecorder:
+    """Counts one worker's compress calls into ``step`` (the current step's CompressionStats) and
+    ``total`` (cumulative). Not thread-safe: its owner (DGCCore) holds its lock around every call.
+
+    A row is one compressed tensor: ``(st, selected, wire_bytes, nonfinite, seconds, density,
+    (overflowed, flushed))`` with st the TensorState (name, numel, sparse are read). A tensor
+    counted again within a step begins a new step; ``names`` holds the tensors counted in the
+    current step (the core's warm-up step count follows it too, :meth:`starts_step`).
+
+    Between :meth:`hold` and :meth:`release` (compress_many) the rows passed to :meth:`count` are
+    kept back; :meth:`take` hands them out, so that the caller counts them in entry order.
+    """
+
+    __slots__ = ("step", "total", "names", "_held")
+
+    def __init__(self, step=None, total=None):
+        self.step = CompressionStats() if step is None else step
+        self.total = CompressionStats() if total is None else total
+        self.names = set()      # the tensors counted in the current step
+        self._held = None       # compress_many: rows waiting for entry order
+
+    def starts_step(self, name):
+        """True when compressing ``name`` now begins a step: it was already counted in this step,
+        or nothing was since the recorder was made or :meth:`restart`."""
+        return not self.names or name in self.names
+
+    def restart(self):
+        """Forget the tensors of the current step: the next one counted begins a new step."""
+        self.names = set()
+
+    # ------------------------------------------------------------- rows kept back
+    def hold(self):
+        self._held = []
+
+    def take(self):
+        """The rows kept back since :meth:`hold` or the last take (and keep back the next)."""
+        rows, self._held = self._held, []
+        return rows
+
+    def release(self):
+        self._held = None
+
+    # ------------------------------------------------------------- counting
+    def count(self, st, selected, wire_bytes, nonfinite, seconds, density, fp16=(0, 0)):
+        """Count one compressed tensor (kept back while held)."""
+        row = (st, selected, wire_bytes, nonfinite, seconds, density, fp16)
+        if self._held is not None:           # inside compress_many: counted in entry order
+            self._held.append(row)
+        else:
+            self.count_rows((row,))
+
+    def count_rows(self, rows):
+        """Add rows (see the class), in order, to the statistics: a tensor seen again in this step
+        starts a new step."""
+        names, seg = self.names, []
+        for row in rows:
+            name = row[0].name
+            if name in names:                      # a tensor seen again: a new step has begun
+                self._add_rows(seg)
+                seg = []
+                names.clear()
+            if not names:                          # the first tensor of a step
+                self._new_step()
+            names.add(name)
+            seg.append(row)
+        self._add_rows(seg)
+
+    def count_batch(self, sts, counts, words, seconds, density):
+        """Statistics of a batch whose rows the kernel all finished, as :meth:`count_rows` counts
+        them row by row: sts (TensorState per row, in order; distinct names), counts / words
+        (selected entries and payload words per row), seconds (the whole call, shared by element
+        count). A step begins at the first row whose tensor this step has seen."""
+        names = self.names
+        j = next((r for r, st in enumerate(sts) if st.name in names), len(sts))
+        share = seconds / sum(st.numel for st in sts)
+        self._add_segment(sts[:j], counts[:j], words[:j], share, density)
+        if j < len(sts):
+            names.clear()
+            self._add_segment(sts[j:], counts[j:], words[j:], share, density)
+
+    def add_wire_bytes(self, nbytes, received=0):
+        """Bytes sent (and received) outside a tensor's payload (see DGCCore.add_wire_bytes)."""
+        for s in (self.step, self.total):
+            s.wire_bytes += nbytes
+            s.received_bytes += received
+
+    def count_allgather(self, output_words, input_words):
+        """What one allgather of int32 words brought in (see DGCCore.count_allgather)."""
+        for s in (self.step, self.total):
+            s.received_bytes += 4 * (output_words - input_words)
+
+    def _new_step(self):
+        """Statistics for a step that begins now (a fresh ``step``: after a checkpoint load the
+        loaded one describes the step before)."""
+        self.step = CompressionStats()
+        self.step.steps = 1
+        self.total.steps += 1
+
+    def _add_segment(self, sts, counts, words, share, density):
+        if not sts:
+            return
+        names = self.names
+        if not names:                              # the first tensor of a step
+            self._new_step()
+        names.update(st.name for st in sts)
+        n = sum(st.numel for st in sts)
+        self._add_totals(len(sts), len(sts), n, sum(counts),
+                         4 * sum(words) + PLACEHOLDER_BYTES * len(sts), 0, share * n, density,
+                         PLACEHOLDER_BYTES * len(sts))
+
+    def _add_rows(self, seg):
+        if not seg:
+            return
+        self._add_totals(len(seg), sum(int(r[0].sparse) for r in seg),
+                         sum(r[0].numel for r in seg), sum(r[1] for r in seg),
+                         sum(r[2] for r in seg), sum(int(r[3]) for r in seg),
+                         sum(r[4] for r in seg), seg[-1][5],
+                         sum(_allreduced_bytes(r[0]) for r in seg),
+                         sum(r[6][0] for r in seg), sum(r[6][1] for r in seg))
+
+    def _add_totals(self, tensors, sparse, elements, selected, wire_bytes, nonfinite, seconds,
+                    density, received, overflowed=0, flushed=0):
+        """Add a run of tensors of the current step to ``step`` and ``total`` (received: what
+        Horovod's allreduce returns for them, :func:`_allreduced_bytes`)."""
+        for s in (self.step, self.total):
+            s.tensors += tensors
+            s.sparse_tensors += sparse
+            s.elements += elements
+            s.selected += selected
+            s.wire_bytes += wire_bytes
+            s.received_bytes += received
+            s.dense_bytes += 4 * elements
+            s.nonfinite_tensors += nonfinite
+            s.overflowed_entries += overflowed
+            s.flushed_entries += flushed
+            s.compress_seconds += seconds
+            s.density = density

@@ -1,0 +1,219 @@
+"""Checkpointing of :class:`~dgc_horovod.core.compressor.DGCCore`: the state dict (format version
+:data:`STATE_DICT_VERSION`), its validation on load, and the check that a loaded checkpoint fits
+the model (its tensor names).
+
+Not a step of the paper: resuming a run bit-identically needs every worker's residuals u and v
+(Algorithm 1's state), the warm-up position (§3.3), the threshold-sampling generator (§5) and the
+statistics. :meth:`DGCCore.state_dict` and :meth:`DGCCore.load_state_dict` call :func:`make` and
+:func:`read`; every check of a load runs before the core changes anything.
+"""
+from dgc_horovod.core import wire
+from dgc_horovod.core.sparsify import is_sparse
+from dgc_horovod.core.stats import ADDED_FIELDS, CompressionStats, StatsRecorder
+from dgc_horovod.core.warmup import density_at
+
+__all__ = ["STATE_DICT_VERSION", "STATE_KEYS", "make", "read", "restore_generator", "FitCheck"]
+
+#: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load).
+STATE_DICT_VERSION = 2
+STATE_KEYS = ("version", "config", "epoch", "steps", "world_size", "rank", "tensors",
+              "generator", "total_stats", "step_stats")
+_MISSING = object()
+
+
+def _stats_dict(stats):
+    return {k: getattr(stats, k) for k in CompressionStats.__slots__}
+
+
+def _stats_from(d, key):
+    fields = set(CompressionStats.__slots__)
+    if not isinstance(d, dict) or not fields - set(ADDED_FIELDS) <= set(d) <= fields:
+        raise ValueError(f"DGC state_dict {key!r} must be a dict of the CompressionStats fields "
+                         f"{', '.join(CompressionStats.__slots__)}")
+    out = CompressionStats()
+    for k in d:                 # counters added since the checkpoint was written stay 0
+        setattr(out, k, d[k])
+    return out
+
+
+def make(B, config, epoch, steps, world_size, rank, states, generator, stats):
+    """The state dict of :meth:`DGCCore.state_dict` (see there), with copies of the tensors:
+    B (Backend), config (DGCConfig), epoch (float), steps (int), world_size / rank (int or None),
+    states ({name: TensorState}), generator (the backend's), stats (StatsRecorder)."""
+    copy = (lambda t: None if t is None else B.state_copy(t))
+    tensors = {name: {"numel": st.numel, "ndim": st.ndim, "sparse": st.sparse,
+                      "u": copy(st.u), "v": copy(st.v), "wd": copy(st.wd)}
+               for name, st in states.items()}
+    return {
+        "version": STATE_DICT_VERSION,
+        "config": config.to_dict(),
+        "epoch": epoch,
+        "steps": steps,
+        "world_size": world_size,
+        "rank": rank,
+        "tensors": tensors,
+        "generator": B.generator_state(generator),
+        "total_stats": _stats_dict(stats.total),
+        "step_stats": _stats_dict(stats.step),
+    }
+
+
+def read(B, config, state_dict, world_size=None, rank=None, reset_residuals=False):
+    """Every check of :meth:`DGCCore.load_state_dict` but the generator's
+    (:func:`restore_generator`); changes nothing.
+
+    Returns:
+        (tensors, epoch, steps, stats): tensors {name: (numel, sparse, u, v, ndim, wd)}, the
+        arguments of a TensorState after its name, with u, v and wd flat float32 tensors of the
+        backend or None ({} with reset_residuals); epoch (float); steps (int); stats (a
+        StatsRecorder holding the saved counters).
+    Raises:
+        TypeError, ValueError: as :meth:`DGCCore.load_state_dict`.
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"DGC state_dict must be a dict, got {type(state_dict).__name__}")
+    missing = [k for k in STATE_KEYS if k not in state_dict]
+    if missing:
+        raise ValueError(f"not a DGC state_dict: missing key(s) {', '.join(missing)}")
+    if state_dict["version"] != STATE_DICT_VERSION:
+        raise ValueError(f"DGC state_dict version {state_dict['version']!r} is not supported "
+                         f"(this dgc_horovod writes and reads version {STATE_DICT_VERSION})")
+    saved, now = state_dict["config"], config.to_dict()
+    if not isinstance(saved, dict):
+        raise ValueError("DGC state_dict 'config' must be a dict (DGCConfig.to_dict())")
+    differ = sorted(k for k in set(saved) | set(now)
+                    if saved.get(k, _MISSING) != now.get(k, _MISSING))
+    if differ:
+        detail = "; ".join(f"{k}: saved {saved.get(k, '<absent>')!r}, now "
+                           f"{now.get(k, '<absent>')!r}" for k in differ)
+        raise ValueError(f"DGC checkpoint was saved with a different config "
+                         f"({', '.join(differ)} differ: {detail}); create DGC with the "
+                         "saved settings, "
+                         "DGCConfig(**state_dict['config'])")
+    saved_ws, saved_rank = state_dict["world_size"], state_dict["rank"]
+    if not reset_residuals:
+        if None not in (saved_ws, world_size) and saved_ws != world_size:
+            raise ValueError(
+                f"DGC checkpoint was saved by a job of {saved_ws} ranks, this job has "
+                f"{world_size}: DGC state is per rank (each rank's residuals hold the part of "
+                "its own gradients it has not sent yet), so it cannot be mapped onto another "
+                "world size. Resume with the same number of ranks, each loading its own file, "
+                "or pass reset_residuals=True to keep config and warm-up epoch and restart "
+                "the residuals at zero (the dropped residual is lost gradient, a small "
+                "one-off perturbation). In a job with Horovod process sets, pass the DGC's "
+                "process_set= to state_dict() and load_state_dict() (the default is the "
+                "global set)")
+        if None not in (saved_rank, rank) and saved_rank != rank:
+            raise ValueError(
+                f"DGC checkpoint was saved by rank {saved_rank}, loaded on rank {rank}: DGC "
+                "state is per rank (residuals differ between ranks); each rank must load the "
+                "file it saved itself (or pass reset_residuals=True)")
+    density_at(state_dict["epoch"], config.compress_ratio)     # validates the epoch
+    steps = state_dict["steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"DGC state_dict 'steps' must be an int >= 0, got {steps!r}")
+    tensors = {} if reset_residuals else _tensors_from(B, config, state_dict["tensors"])
+    total, step = (_stats_from(state_dict[k], k) for k in ("total_stats", "step_stats"))
+    return tensors, float(state_dict["epoch"]), steps, StatsRecorder(step, total)
+
+
+def _tensors_from(B, c, tensors):
+    if not isinstance(tensors, dict):
+        raise ValueError("DGC state_dict 'tensors' must be a dict "
+                         "{name: {numel, ndim, sparse, u, v, wd}}")
+    out = {}
+    for name, t in tensors.items():
+        try:
+            numel, ndim, sparse = t["numel"], t["ndim"], t["sparse"]
+            u, v, wd = t["u"], t["v"], t["wd"]
+        except (TypeError, KeyError):
+            raise ValueError(f"DGC state of {name!r} must be a dict with keys numel, ndim, "
+                             "sparse, u, v, wd") from None
+        for key, value, low in (("numel", numel, 1), ("ndim", ndim, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"DGC state of {name!r} has {key} {value!r}, not an int "
+                                 f">= {low}")
+        wire.check_numel(numel, name)
+        if bool(sparse) != is_sparse(numel, ndim, c):
+            raise ValueError(f"DGC state of {name!r} says sparse={sparse!r} for {numel} "
+                             f"elements in {ndim} dimension(s), but min_sparse_numel="
+                             f"{c.min_sparse_numel} and min_sparse_ndim={c.min_sparse_ndim}")
+        for key, tensor, wanted in (("u", u, c.momentum > 0), ("v", v, bool(sparse)),
+                                    ("wd", wd, None)):
+            if wanted is not None and (tensor is not None) != wanted:
+                raise ValueError(f"DGC state of {name!r}: {key} is "
+                                 f"{'missing' if wanted else 'present but not expected'}")
+            if tensor is not None and B.numel(tensor) != numel:
+                raise ValueError(f"DGC state of {name!r}: {key} has {B.numel(tensor)} "
+                                 f"elements, expected {numel}")
+        flat = (lambda x: None if x is None else B.float32_flat(x))
+        out[name] = (numel, bool(sparse), flat(u), flat(v), ndim, flat(wd))
+    return out
+
+
+def restore_generator(B, generator, state):
+    """Set the backend generator to the saved ``state`` (the last check of a load: a
+    ValueError when the backend cannot restore it)."""
+    try:
+        B.set_generator_state(generator, state)
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        raise ValueError(f"DGC state_dict 'generator' cannot be restored on the "
+                         f"{B.name} backend: {e}") from e
+
+
+class FitCheck:
+    """After a load with tensor states: the loaded names, checked against the model's until the
+    first step after the load has completed (:meth:`DGCCore.check_fit`)."""
+
+    __slots__ = ("names", "began")
+
+    def __init__(self, names=()):
+        self.names = frozenset(names) if names else None     # None: nothing to check
+        self.began = False
+
+    @property
+    def pending(self):
+        return self.names is not None
+
+    def step_begins(self):
+        """A step begins: the check ends when the first step after the load has completed."""
+        if self.names is not None:
+            self.names, self.began = (None if self.began else self.names), True
+
+    def check(self, names):
+        """Raise a ValueError if a loaded state matches none of ``names`` (no-op when nothing is
+        to check)."""
+        fit = self.names
+        if fit is None:
+            return
+        names = set(names)
+        stale = fit - names
+        if stale:
+            raise _misfit(stale, names - fit)
+
+    def check_name(self, name):
+        """compress of ``name`` in the first step after a load: it must have a loaded state."""
+        fit = self.names
+        if fit is not None and name not in fit:
+            raise _misfit((), [name])
+
+
+def _misfit(stale, missing):
+    def few(names):
+        names = sorted(names)
+        shown = ", ".join(repr(n) for n in names[:3])
+        return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    parts = []
+    if stale:
+        parts.append(f"{len(stale)} saved tensor state(s) match no parameter of the "
+                     f"optimizer ({few(stale)})")
+    if missing:
+        parts.append(f"{len(missing)} parameter(s) have no saved state ({few(missing)})")
+    return ValueError(
+        "DGC: the loaded checkpoint does not fit this model: " + "; ".join(parts) + ". Was "
+        "it saved under other names (a renamed or wrapped module, e.g. a 'module.' prefix) "
+        "or by another model? Resuming from it would start fresh residuals under the new "
+        "names and carry the stale ones into every later checkpoint. Load the matching file, "
+        "or load this one with dgc.load_state_dict(state_dict, reset_residuals=True): config, "
+        "warm-up position and generator are kept, the residuals restart at zero")
