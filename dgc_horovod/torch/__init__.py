@@ -13,17 +13,10 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
 * Horovod calls ``compress(p.grad)`` from ``DistributedOptimizer._allreduce_grad_async(p)`` (or
   ``_grouped_allreduce_grad_async(ps)``) when a gradient is ready, then allreduces the result
   under the parameter's name and later calls ``decompress(output, ctx)`` in ``synchronize()``.
-* **Which parameter is this?** ``compress`` receives only the gradient. DGC looks one to three
-  frames up the call stack for the calling Horovod optimizer (``self``) and the parameter being
-  reduced (its local ``p``), and verifies ``p.grad is tensor`` before using it; if the parameter in
-  that frame does not own the tensor, it searches the optimizer's parameters for the one whose
-  ``.grad`` is the tensor. State (velocity u, residual v) is keyed by the parameter's name from
-  ``named_parameters`` — the same name Horovod uses for its collectives, so it is identical on
-  every rank. This does not depend on the gradient object: it works with
-  ``zero_grad(set_to_none=True)`` (a new ``.grad`` every step) and ``False``, with
-  ``backward_passes_per_step > 1`` (compress runs once, on the accumulated gradient), and for
-  parameters without a gradient in a step (Horovod hands DGC zeros; DGC then only decays the
-  velocity). Called from anywhere else, DGC raises a RuntimeError saying how to use it.
+* **Which parameter is this?** ``compress`` receives only the gradient; DGC finds the parameter
+  on the call stack (:mod:`dgc_horovod.torch.params`) and keys its state (velocity u, residual v)
+  by the parameter's name from ``named_parameters``, identical on every rank. Called from
+  anywhere else, DGC raises a RuntimeError saying how to use it.
 * **Exchange.** A sparsified tensor travels by :mod:`dgc_horovod.torch.exchange`, and
   ``compress`` returns a 1-element zero placeholder for it: Horovod's own allreduce then carries
   4 bytes. With buckets (the default), ``compress`` only checks the gradient and records it in
@@ -57,93 +50,21 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   added densely after the exchange through its own momentum buffer, as dense momentum SGD
   would; in the wrapped optimizer it would be added after the exchange *without* momentum.
 """
-import sys
 import warnings
 import weakref
 
 import horovod.torch as hvd
 import torch
-from horovod.torch import mpi_ops as _mpi_ops
 from horovod.torch.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter, DGCFactory
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.backends.torch_backend import TorchBackend
-from dgc_horovod.torch.exchange import Exchange
+from dgc_horovod.torch import elastic
+from dgc_horovod.torch.exchange import Exchange, Pending
+from dgc_horovod.torch.params import find_parameter, param_group
 
 __all__ = ["DGC"]
-
-_HINT = ("pass it to horovod.torch.DistributedOptimizer(..., compression=DGC(...)); "
-         "DGC keeps per-parameter state and must know which parameter a gradient belongs to")
-
-
-def _find_parameter(tensor, compressor):
-    """(optimizer, parameter, name) of the Horovod call that is compressing ``tensor``."""
-    frame = sys._getframe(2)
-    candidates = []
-    for _ in range(4):
-        if frame is None:
-            break
-        local = frame.f_locals
-        if isinstance(local.get("p"), torch.Tensor):
-            candidates.append(local["p"])
-        opt = local.get("self")
-        if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_parameter_names"):
-            if getattr(opt, "_compression", None) is not compressor:
-                raise RuntimeError("this DGC object is not the compression of the Horovod "
-                                   "optimizer calling it; " + _HINT)
-            if getattr(opt, "op", None) not in (hvd.Average, hvd.Sum):
-                # (Horovod's Adasum optimizer has no op attribute and compresses parameters)
-                raise RuntimeError("DGC supports hvd.DistributedOptimizer with op=hvd.Average or "
-                                   "op=hvd.Sum, not op=hvd.Adasum")
-            for p in candidates:
-                if _owns(p, tensor):
-                    return opt, p, opt._parameter_names[p]
-            for p in opt._parameter_names:      # fallback: search (e.g. a changed call site)
-                if _owns(p, tensor):
-                    return opt, p, opt._parameter_names[p]
-            raise RuntimeError("DGC could not find the parameter whose gradient it was given "
-                               f"(shape {tuple(tensor.shape)}) among the optimizer's parameters")
-        frame = frame.f_back
-    raise RuntimeError("dgc_horovod.torch.DGC was called outside horovod.torch."
-                       "DistributedOptimizer; " + _HINT)
-
-
-def _horovod_session():
-    """An object that identifies the current Horovod initialization.
-
-    ``horovod.torch.init()`` (0.28) binds a new ``mpi_ops._handle_map`` dict at every call, and
-    ``hvd.elastic.run`` calls ``shutdown(); init()`` at every reset, so a different object means
-    Horovod was re-initialized. Without that attribute (another Horovod version), the (size, rank)
-    pair stands in for it.
-    """
-    marker = getattr(_mpi_ops, "_handle_map", None)
-    if isinstance(marker, dict):
-        return marker
-    return (hvd.size(), hvd.rank()) if hvd.is_initialized() else None
-
-
-def _owns(p, tensor):
-    g = p.grad
-    return g is tensor or (g is not None and g.is_sparse and g.shape == tensor.shape)
-
-
-class _Pending:
-    """ctx of a sparsified tensor between compress and decompress.
-
-    In bucketed mode ``handle`` (the exchange ticket) and ``core_ctx`` (the core's
-    SparseContext) are filled in by the exchange, the latter when the bucket is compressed.
-    """
-
-    __slots__ = ("handle", "core_ctx", "shape", "dtype", "world_size", "average", "name",
-                 "param", "dense")
-
-    def __init__(self, handle, core_ctx, shape, dtype, world_size, average, name=None,
-                 param=None, dense=False):
-        self.handle, self.core_ctx, self.shape, self.dtype = handle, core_ctx, shape, dtype
-        self.world_size, self.average = world_size, average
-        self.name, self.param, self.dense = name, param, dense
-
 
 class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod compressor (Lin et al., ICLR 2018).
@@ -214,7 +135,7 @@ class DGC(DGCAdapter, Compressor):
         member arrives (in that member's compress) or, if still incomplete, when Horovod
         synchronizes (in decompress), and then allgathered.
         """
-        opt, p, name = _find_parameter(tensor, self)
+        opt, p, name = find_parameter(tensor, self)
         self._follow_horovod()
         if self._core.fit_pending:                  # the first step after load_state_dict
             self._core.check_fit(opt._parameter_names.values())
@@ -234,7 +155,7 @@ class DGC(DGCAdapter, Compressor):
             # first). The tensor (a to_dense() copy for sparse_as_dense) is kept in the launch.
             # Gated (global clipping): dense tensors wait for the step's last gradient too.
             self._core._check_entry(name, tensor, param)
-            ctx = _Pending(None, None, tensor.shape, tensor.dtype, world, average, name, param,
+            ctx = Pending(None, None, tensor.shape, tensor.dtype, world, average, name, param,
                            dense=not sparse)
             if sparse:
                 exchange.defer(opt, name, tensor, param, process_set, ctx)
@@ -249,7 +170,7 @@ class DGC(DGCAdapter, Compressor):
             exchange.hold()
             return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)
         ticket = exchange.send(name, out, process_set)
-        ctx = _Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param)
+        ctx = Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param)
         return tensor.new_zeros(1, dtype=torch.float32), ctx
 
     def decompress(self, tensor, ctx):
@@ -257,7 +178,7 @@ class DGC(DGCAdapter, Compressor):
         if ctx is None:                       # Horovod's sparse (two-allgather) path
             return tensor
         core = self._core
-        if not isinstance(ctx, _Pending):     # dense tensor: Horovod's allreduce already reduced
+        if not isinstance(ctx, Pending):     # dense tensor: Horovod's allreduce already reduced
             shape, dtype, name, param = ctx
             self._exchange.release()
             return core.apply_weight_decay(name, tensor.view(-1), param).view(shape).to(dtype)
@@ -270,8 +191,7 @@ class DGC(DGCAdapter, Compressor):
         return dense.view(ctx.shape).to(ctx.dtype)
 
     # Horovod Elastic (the rule and the handler's operations: dgc_horovod.adapter) --------------
-    def _horovod_session(self):
-        return _horovod_session()
+    _horovod_session = staticmethod(elastic.horovod_session)
 
     def _drop_pending(self):
         self._exchange = Exchange(self._core, self.config.bucket_numel)
@@ -305,22 +225,21 @@ class DGC(DGCAdapter, Compressor):
             raise ValueError("one DGC object is the compression of two DistributedOptimizers; "
                              "its per-parameter residuals would mix the two models' gradients. "
                              "Create one DGC(...) per optimizer.")
-        for group in opt.param_groups:
-            if any(q is p for q in group["params"]):
-                if "betas" in group and self.config.momentum > 0 and not self._checked:
-                    warnings.warn(
-                        f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
-                        f"momentum={self.config.momentum}) adds momentum correction on top. For "
-                        "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
-                m = group.get("momentum", 0.0) or 0.0
-                if m > 0 and self.config.momentum > 0:
-                    raise ValueError(
-                        f"momentum would be applied twice to {name!r}: DGC(momentum="
-                        f"{self.config.momentum}) applies momentum correction itself, and the "
-                        f"wrapped optimizer {type(opt).__mro__[1].__name__} has momentum={m}. "
-                        "Create the optimizer with momentum=0 (and nesterov=False), or use "
-                        "DGC(momentum=0) for plain error feedback.")
-                break
+        group = param_group(opt, p)
+        if group is not None:
+            if "betas" in group and self.config.momentum > 0 and not self._checked:
+                warnings.warn(
+                    f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
+                    f"momentum={self.config.momentum}) adds momentum correction on top. For "
+                    "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
+            m = group.get("momentum", 0.0) or 0.0
+            if m > 0 and self.config.momentum > 0:
+                raise ValueError(
+                    f"momentum would be applied twice to {name!r}: DGC(momentum="
+                    f"{self.config.momentum}) applies momentum correction itself, and the "
+                    f"wrapped optimizer {type(opt).__mro__[1].__name__} has momentum={m}. "
+                    "Create the optimizer with momentum=0 (and nesterov=False), or use "
+                    "DGC(momentum=0) for plain error feedback.")
         self._checked.add(name)
 
 
@@ -380,6 +299,4 @@ def log_stats(writer, dgc, step, since=None, prefix="dgc/"):
 
 __all__ += ["Compression", "log_stats"]
 
-from dgc_horovod.torch import elastic  # noqa: E402  (registers DGC's TorchState handler)
-
-elastic.register(DGC)
+elastic.register(DGC)       # DGC's TorchState handler

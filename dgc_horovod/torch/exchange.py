@@ -33,7 +33,25 @@ import torch
 from dgc_horovod.core import PLACEHOLDER_BYTES, wire
 from dgc_horovod.core.buckets import plan_buckets
 
-__all__ = ["Exchange"]
+__all__ = ["Exchange", "Pending"]
+
+
+class Pending:
+    """ctx of a sparsified tensor between compress and decompress (and, in gated mode, of a
+    dense one: ``dense=True``).
+
+    In bucketed mode ``handle`` (the exchange ticket) and ``core_ctx`` (the core's
+    SparseContext) are filled in by the exchange, the latter when the bucket is compressed.
+    """
+
+    __slots__ = ("handle", "core_ctx", "shape", "dtype", "world_size", "average", "name",
+                 "param", "dense")
+
+    def __init__(self, handle, core_ctx, shape, dtype, world_size, average, name=None,
+                 param=None, dense=False):
+        self.handle, self.core_ctx, self.shape, self.dtype = handle, core_ctx, shape, dtype
+        self.world_size, self.average = world_size, average
+        self.name, self.param, self.dense = name, param, dense
 
 
 class _Launch:
