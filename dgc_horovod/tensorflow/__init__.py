@@ -41,60 +41,21 @@ How it rides on stock Horovod (0.28.x, unmodified):
   use tf-keras with ``TF_USE_LEGACY_KERAS=1`` (see README).
 """
 import json
-import warnings
 from contextlib import nullcontext as _nullcontext
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from dgc_horovod.adapter import DGCAdapter, DGCFactory
+from dgc_horovod.adapter import DGCAdapter, compression_namespace
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.tensorflow.keras import (DGCTensorBoardCallback, DGCWarmupCallback, momentum_of,
                                           warn_if_keras3)
-from dgc_horovod.tensorflow.variables import StateNames, find_variable, model_signature
+from dgc_horovod.tensorflow.variables import (StateNames, check_same_variables, find_variable,
+                                              model_signature)
 
 __all__ = ["DGC", "DGCWarmupCallback"]
-
-
-def _check_same_model(signature, process_set):
-    """Every rank must reduce the same variables (names, shapes, dtypes, order): compare the
-    signatures once, with two eager allgathers, and raise a ValueError naming the first
-    difference on every rank, rather than hang on collectives that never match (each variable's
-    allgather is named after it) or sum two different tensors."""
-    blob = json.dumps(signature).encode()
-    with tf.init_scope():                      # eager, also while a tf.function is traced
-        sizes = hvd.allgather(tf.constant([len(blob)], tf.int32), name="DGCCheckModelSizes",
-                              process_set=process_set).numpy().tolist()
-        data = hvd.allgather(tf.constant(list(blob), tf.int32), name="DGCCheckModel",
-                             process_set=process_set).numpy().astype("uint8").tobytes()
-    me = process_set.rank()
-    every, start = [], 0
-    for n in sizes:
-        every.append(json.loads(data[start:start + n].decode()))
-        start += n
-    for rank, theirs in enumerate(every):
-        if theirs == signature:
-            continue
-        if len(theirs) != len(signature):
-            longer, shorter, owner = ((signature, theirs, me) if len(signature) > len(theirs)
-                                      else (theirs, signature, rank))
-            names = {s[0] for s in shorter}
-            extra = next((s for s in longer if s[0] not in names), None)
-            detail = (f"; {extra[0]!r} (shape {extra[1]}, {extra[2]}) is reduced on rank {owner} "
-                      "only" if extra is not None else "")
-            raise ValueError(
-                f"DGC: the ranks' models differ: rank {me} reduces the gradients of "
-                f"{len(signature)} variables, rank {rank} of {len(theirs)}{detail} (a variable "
-                "trainable or present on one rank only?)")
-        for i, (a, b) in enumerate(zip(signature, theirs)):
-            if a != b:
-                raise ValueError(
-                    f"DGC: the ranks' models differ: the gradient #{i} Horovod reduces is of "
-                    f"{a[0]!r} (shape {a[1]}, {a[2]}) on rank {me} but of {b[0]!r} (shape "
-                    f"{b[1]}, {b[2]}) on rank {rank}; every rank must reduce the same "
-                    "trainable variables in the same order")
 
 
 class DGC(DGCAdapter, Compressor):
@@ -127,7 +88,6 @@ class DGC(DGCAdapter, Compressor):
         self._pending = {}      # state name -> (SparseContext, payload words, world size)
                                 # between compress and decompress
         self._checked_models = set()    # model signatures already compared across ranks
-        self._warned_single = False
         self._scale = None      # (grads list, graph, clip factor tensor) of the traced step
         warn_if_keras3()
 
@@ -168,13 +128,7 @@ class DGC(DGCAdapter, Compressor):
         if not tensor.dtype.is_floating:
             raise TypeError(f"DGC: gradients must be floating-point tensors, got {tensor.dtype}")
         var, op, process_set, owner, reduced = find_variable(tensor)
-        if self.config.momentum > 0 and momentum_of(owner) > 0:
-            raise ValueError(
-                f"momentum would be applied twice to {var.name!r}: DGC(momentum="
-                f"{self.config.momentum}) applies momentum correction itself, and the wrapped "
-                f"optimizer {type(owner).__mro__[1].__name__} has momentum="
-                f"{momentum_of(owner)}. Create the optimizer with momentum=0 (and "
-                "nesterov=False), or use DGC(momentum=0) for plain error feedback.")
+        self._check_momentum(var.name, owner, momentum_of(owner))
         if op is not None and op not in (hvd.Average, hvd.Sum):
             raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
         process_set = process_set if process_set is not None else hvd.global_process_set
@@ -183,12 +137,10 @@ class DGC(DGCAdapter, Compressor):
             signature = model_signature(*reduced)
             key = json.dumps(signature)
             if key not in self._checked_models:
-                _check_same_model(signature, process_set)
+                check_same_variables(signature, process_set)
                 self._checked_models.add(key)
-        if world == 1 and not self._warned_single:
-            self._warned_single = True
-            warnings.warn("Horovod skips gradient reduction (and so DGC and its momentum "
-                          "correction) when only one process runs")
+        if world == 1:
+            self._warn_single_process()
         name = self._names.of(var)
         numel = tensor.shape.num_elements()
         if numel is None:
@@ -292,28 +244,8 @@ def _op_name(name):
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
-# Horovod-style entry point and TensorBoard logging --------------------------------------------
-class Compression:
-    """Horovod-style namespace of compressors, like ``horovod.tensorflow.Compression``.
-
-    ``Compression.none`` and ``Compression.fp16`` are Horovod's own; ``Compression.dgc(**kwargs)``
-    returns a new :class:`DGC` with those settings (keyword arguments of
-    :class:`~dgc_horovod.core.DGCConfig`, or ``config=DGCConfig(...)``)::
-
-        from dgc_horovod.tensorflow import Compression
-        compression = Compression.dgc(compress_ratio=0.001)
-        tape = hvd.DistributedGradientTape(tape, compression=compression)
-
-    Unlike Horovod's stateless compressors, each call returns a new, stateful object: keep it
-    (for ``set_epoch`` / :class:`DGCWarmupCallback`, statistics and checkpoints) and use it with
-    one tape or optimizer only.
-    """
-
-    none = hvd.Compression.none
-    fp16 = hvd.Compression.fp16
-
-    #: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`; uncalled it explains itself.
-    dgc = DGCFactory(DGC)
-
+#: Horovod-style namespace of compressors: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`.
+Compression = compression_namespace(hvd, DGC, user="tape or optimizer", usage=(
+    "tape = hvd.DistributedGradientTape(tape, compression=compression)"))
 
 __all__ += ["Compression", "DGCTensorBoardCallback"]

@@ -8,13 +8,17 @@ Python stack at trace time to that ``allreduce_grads`` frame and finds the posit
 ``grads[j] is tensor``; ``vars[j]`` is the variable. Tracing runs on every rank in the same order,
 so each variable gets the same state key and collective name everywhere (:class:`StateNames`: its
 ``var.name``; a second distinct variable with the same name gets ``name#2``, never a shared
-state). :func:`model_signature` describes the variables Horovod reduces, for the ranks to compare.
+state). :func:`model_signature` describes the variables Horovod reduces and
+:func:`check_same_variables` has the ranks compare them.
 """
 import sys
 
+import horovod.tensorflow as hvd
 import tensorflow as tf
 
-__all__ = ["find_variable", "model_signature", "StateNames"]
+from dgc_horovod.adapter import check_same_model
+
+__all__ = ["find_variable", "model_signature", "check_same_variables", "StateNames"]
 
 _HINT = ("pass it as compression= to horovod.tensorflow.DistributedGradientTape or to "
          "horovod.tensorflow.keras.DistributedOptimizer; DGC keeps per-variable state and must know "
@@ -62,9 +66,31 @@ def find_variable(tensor):
 
 
 def model_signature(grads, variables):
-    """[name, shape, dtype] of every variable Horovod reduces a gradient of, in its order."""
-    return [[v.name, list(v.shape.as_list()), v.dtype.name]
+    """[name, "shape [...], dtype"] of every variable Horovod reduces a gradient of, in its
+    order."""
+    return [[v.name, f"shape {v.shape.as_list()}, {v.dtype.name}"]
             for g, v in zip(grads, variables) if g is not None]
+
+
+_MISMATCH = ("the gradient #{i} Horovod reduces is of {a} on rank {me} but of {b} on rank {rank}; "
+             "every rank must reduce the same trainable variables in the same order",
+             "rank {me} reduces the gradients of {n} variables, rank {rank} of {m}{detail} (a "
+             "variable trainable or present on one rank only?)")
+
+
+def check_same_variables(signature, process_set):
+    """:func:`dgc_horovod.adapter.check_same_model` for a :func:`model_signature`, with two
+    eager allgathers (``DGCCheckModelSizes``, ``DGCCheckModel``), also while a tf.function is
+    traced."""
+    def gather(data):
+        with tf.init_scope():
+            sizes = hvd.allgather(tf.constant([len(data)], tf.int32), name="DGCCheckModelSizes",
+                                  process_set=process_set).numpy().tolist()
+            every = hvd.allgather(tf.constant(list(data), tf.int32), name="DGCCheckModel",
+                                  process_set=process_set).numpy().astype("uint8").tobytes()
+        return sizes, every
+
+    check_same_model(signature, gather, process_set.rank(), _MISMATCH)
 
 
 class StateNames:

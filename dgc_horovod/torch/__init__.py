@@ -57,7 +57,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from dgc_horovod.adapter import DGCAdapter, DGCFactory
+from dgc_horovod.adapter import DGCAdapter, compression_namespace
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch import elastic
@@ -117,10 +117,7 @@ class DGC(DGCAdapter, Compressor):
         self._checked = set()
         self._optimizer = None          # weak reference to the one optimizer this DGC serves
         if hvd.is_initialized() and hvd.size() == 1:
-            warnings.warn("one Horovod process: hvd.DistributedOptimizer registers no gradient "
-                          "hooks and never calls the compressor, so DGC (and its momentum "
-                          "correction) does nothing; launch 2+ processes, or train with the "
-                          "optimizer's own momentum on one")
+            self._warn_single_process()
 
     # Horovod Compressor API ---------------------------------------------------------------
     def compress(self, tensor):
@@ -232,40 +229,15 @@ class DGC(DGCAdapter, Compressor):
                     f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
                     f"momentum={self.config.momentum}) adds momentum correction on top. For "
                     "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
-            m = group.get("momentum", 0.0) or 0.0
-            if m > 0 and self.config.momentum > 0:
-                raise ValueError(
-                    f"momentum would be applied twice to {name!r}: DGC(momentum="
-                    f"{self.config.momentum}) applies momentum correction itself, and the "
-                    f"wrapped optimizer {type(opt).__mro__[1].__name__} has momentum={m}. "
-                    "Create the optimizer with momentum=0 (and nesterov=False), or use "
-                    "DGC(momentum=0) for plain error feedback.")
+            self._check_momentum(name, opt, group.get("momentum", 0.0) or 0.0)
         self._checked.add(name)
 
 
 
-# Horovod-style entry point and TensorBoard logging --------------------------------------------
-class Compression:
-    """Horovod-style namespace of compressors, like ``horovod.torch.Compression``.
-
-    ``Compression.none`` and ``Compression.fp16`` are Horovod's own; ``Compression.dgc(**kwargs)``
-    returns a new :class:`DGC` with those settings (keyword arguments of
-    :class:`~dgc_horovod.core.DGCConfig`, or ``config=DGCConfig(...)``)::
-
-        from dgc_horovod.torch import Compression
-        compression = Compression.dgc(compress_ratio=0.001)
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression=compression)
-
-    Unlike Horovod's stateless compressors, each call returns a new, stateful object: keep it
-    (for ``set_epoch``, statistics and checkpoints) and use it with one optimizer only.
-    """
-
-    none = hvd.Compression.none
-    fp16 = hvd.Compression.fp16
-
-    #: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`; uncalled it explains itself.
-    dgc = DGCFactory(DGC)
+#: Horovod-style namespace of compressors: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`.
+Compression = compression_namespace(hvd, DGC, user="optimizer", usage=(
+    "opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),\n"
+    "                                   compression=compression)"))
 
 
 def log_stats(writer, dgc, step, since=None, prefix="dgc/"):

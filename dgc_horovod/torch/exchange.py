@@ -24,12 +24,12 @@ ends, so exchange no longer overlaps with backward. When the plan is made (the f
 step), the ranks compare their trainable parameters once and raise a ValueError naming the first
 difference, instead of hanging on collectives that never match.
 """
-import json
 import threading
 
 import horovod.torch as hvd
 import torch
 
+from dgc_horovod.adapter import check_same_model
 from dgc_horovod.core import PLACEHOLDER_BYTES, wire
 from dgc_horovod.core.buckets import plan_buckets
 
@@ -93,29 +93,25 @@ class _Bucket:
         self.current = _Launch()
 
 
+_MISMATCH = ("trainable parameter #{i} (from the last) is {a} on rank {me} but {b} on rank {rank}",
+             "rank {me} has {n} trainable parameters, rank {rank} has {m}{detail} (a parameter "
+             "frozen or missing on one rank?)")
+
+
 def _check_same_model(opt, params):
-    """Every rank must reduce the same parameters (names, sizes, dtypes, order): compare once,
-    with one allgather, and raise a ValueError naming the first difference on every rank, rather
-    than hang on collectives that never match or sum two different tensors."""
-    mine = [[opt._parameter_names[p], p.numel(), str(p.dtype)] for p in params]
-    blob = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
-    sizes = hvd.allgather(torch.tensor([blob.numel()]), name="dgc.check_model.sizes",
-                          process_set=opt.process_set).tolist()
-    data = hvd.allgather(blob, name="dgc.check_model", process_set=opt.process_set)
-    every = [json.loads(bytes(chunk.tolist()).decode()) for chunk in data.split(sizes)]
-    for rank, theirs in enumerate(every):
-        if theirs == mine:
-            continue
-        for i, (a, b) in enumerate(zip(mine, theirs)):
-            if a != b:
-                raise ValueError(
-                    f"DGC: the ranks' models differ: trainable parameter #{i} (from the last) "
-                    f"is {a[0]!r} ({a[1]} elements, {a[2]}) on rank {opt.process_set.rank()} "
-                    f"but {b[0]!r} ({b[1]} elements, {b[2]}) on rank {rank}")
-        raise ValueError(
-            f"DGC: the ranks' models differ: rank {opt.process_set.rank()} has {len(mine)} "
-            f"trainable parameters, rank {rank} has {len(theirs)} (a parameter frozen or "
-            "missing on one rank?)")
+    """:func:`dgc_horovod.adapter.check_same_model` for the trainable parameters (name, size,
+    dtype; in plan order), with two allgathers."""
+    ps = opt.process_set
+
+    def gather(data):
+        sizes = hvd.allgather(torch.tensor([len(data)]), name="dgc.check_model.sizes",
+                              process_set=ps).tolist()
+        every = hvd.allgather(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                              name="dgc.check_model", process_set=ps)
+        return sizes, bytes(every.tolist())
+
+    signature = [[opt._parameter_names[p], f"{p.numel()} elements, {p.dtype}"] for p in params]
+    check_same_model(signature, gather, ps.rank(), _MISMATCH)
 
 
 class Exchange:
