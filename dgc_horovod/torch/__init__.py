@@ -59,6 +59,7 @@ from horovod.torch.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter, compression_namespace
 from dgc_horovod.core.sparsify import is_sparse
+from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch import elastic
 from dgc_horovod.torch.exchange import Exchange, Pending
@@ -238,35 +239,6 @@ class DGC(DGCAdapter, Compressor):
 Compression = compression_namespace(hvd, DGC, user="optimizer", usage=(
     "opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),\n"
     "                                   compression=compression)"))
-
-
-def log_stats(writer, dgc, step, since=None, prefix="dgc/"):
-    """Write DGC's statistics as TensorBoard scalars (call it on rank 0 in your training loop).
-
-    Args:
-        writer: anything with ``add_scalar(tag, value, step)``: a
-            ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package) or the
-            dependency-free :class:`dgc_horovod.summary.EventWriter`.
-        dgc (DGC): the compressor.
-        step (int): the global step (or epoch) to record the values at.
-        since (CompressionStats or None): None writes the most recent step's counters
-            (``dgc.stats``); a copy of ``dgc.total_stats`` taken earlier (e.g. at the start of the
-            epoch) writes the counters accumulated since then (``dgc.total_stats.since(since)``).
-        prefix (str): tag prefix.
-
-    Writes ``prefix + name`` for name in :data:`dgc_horovod.summary.STATS_SCALARS` (density,
-    ratio and received_ratio (dense bytes over the bytes sent / received), selected, wire_bytes,
-    received_bytes, dense_bytes, compress_seconds, nonfinite_tensors, overflowed_entries,
-    flushed_entries); returns the dict of values written. Example::
-
-        start = dgc.total_stats.copy()
-        ...train one epoch...
-        if hvd.rank() == 0:
-            log_stats(writer, dgc, epoch, since=start)
-    """
-    from dgc_horovod.summary import write_stats
-    stats = dgc.stats if since is None else dgc.total_stats.since(since)
-    return write_stats(writer, stats, step, prefix=prefix)
 
 
 __all__ += ["Compression", "log_stats"]
