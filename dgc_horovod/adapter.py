@@ -239,9 +239,12 @@ class DGCAdapter:
         every tensor's velocity u, residual v and sparse flag keyed by its name, the
         threshold-sampling generator state, the cumulative statistics, and the world size and
         rank of ``process_set`` (default: the global one). Copies, safe to keep. Call it between
-        steps. PyTorch: ``torch.load(..., weights_only=True)`` can read it back. TensorFlow: the
-        tensors are eager ``tf.Tensor`` copies (``.numpy()`` them to pickle).
+        steps. PyTorch: ``torch.load(..., weights_only=True)`` can read it back; a RuntimeError
+        in the middle of a step (between ``loss.backward()`` and ``optimizer.step()``).
+        TensorFlow: the tensors are eager ``tf.Tensor`` copies (``.numpy()`` them to pickle).
         """
+        self._between_steps("state_dict() was called", "call it between steps, after "
+                            "optimizer.step(), as for the model's and the optimizer's")
         world, rank = self._job(process_set)
         return self._core.state_dict(world_size=world, rank=rank)
 
@@ -276,9 +279,9 @@ class DGCAdapter:
     # Horovod Elastic: the reset rule and the state handler's three operations -----------------
     # Framework hooks: _horovod_session() identifies the current Horovod initialization;
     # _drop_pending() forgets exchanges in flight (restore and reset); _drop_checks() forgets the
-    # first-step checks (reset); _between_steps(what, when) refuses a commit in the middle of a
-    # step; _elastic_sync_more() syncs what else a framework needs (TensorFlow: the model
-    # signatures already compared).
+    # first-step checks (reset); _between_steps(what, when) refuses a commit (and state_dict) in
+    # the middle of a step; _elastic_sync_more() syncs what else a framework needs (TensorFlow:
+    # the model signatures already compared).
 
     def _horovod_session(self):
         """An object that identifies the current Horovod initialization (default: this rank's

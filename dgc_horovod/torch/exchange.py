@@ -142,10 +142,14 @@ class Exchange:
         bucket_numel 0 every tensor is then a bucket of its own)."""
         return self._bucket_numel > 0 or self.gated
 
-    def busy(self):
-        """True between a tensor's send (or defer, or :meth:`hold`) and its receive (or
-        :meth:`release`): a step in progress."""
-        return self._outstanding > 0
+    def check_between_steps(self, what, when):
+        """RuntimeError when a step is in progress, i.e. between a tensor's send (or defer, or
+        :meth:`hold`) and its receive (or :meth:`release`); from backward() to optimizer.step()
+        the residuals already hold this step's accumulation, the model not."""
+        if self._outstanding > 0:
+            raise RuntimeError(f"DGC: {what} in the middle of a step (between loss.backward() and "
+                               f"optimizer.step(): the residuals already hold this step's "
+                               f"gradient, the parameters do not yet); {when}")
 
     def hold(self):
         """A dense tensor was compressed (its velocity updated) and is on Horovod's allreduce."""
@@ -186,6 +190,12 @@ class Exchange:
         ``pending`` is the tensor's ctx: its ``handle`` is set to the ticket for :meth:`receive`
         now, its ``core_ctx`` when the bucket is compressed. ``grad`` and ``param`` are kept
         until then. May compress and start the bucket (when this is its last member).
+
+        Deferring is safe: Horovod calls compress from the gradient hook once the gradient is
+        final (with backward_passes_per_step > 1 on the last pass, after accumulation; with
+        zero_grad(set_to_none=True) or False alike, the .grad it hands over is not written again
+        before synchronize(), which decompresses, and so compresses, it first). The tensor (a
+        to_dense() copy for sparse_as_dense) is kept in the launch.
         """
         bucket, member = self._plan(opt)[name]
         with self._lock:
