@@ -29,20 +29,14 @@ How it rides on stock Horovod (0.28.x, unmodified):
 * ``tf.IndexedSlices`` gradients (embeddings) keep Horovod's own allgather path, untouched by DGC,
   unless ``sparse_as_dense=True`` turns them into dense gradients, which DGC then compresses.
 * **Rank mismatches.** The first time ``compress`` sees a list of variables (at trace time), the
-  ranks compare it (names, shapes, dtypes, order; one pair of eager allgathers) and raise a
-  ValueError naming the first differing variable on every rank instead of hanging.
+  ranks compare it and raise a ValueError naming the first difference on every rank, not hang.
 * With a single process Horovod skips the reduction (and so DGC) entirely; DGC warns then, since the
   optimizer would run without the momentum DGC provides.
-* **Horovod Elastic.** Pass the DGC object to a state of :mod:`dgc_horovod.tensorflow.elastic`
-  (Horovod's ``TensorFlowKerasState``, ``TensorFlowState`` and ``KerasState``, carrying DGC); Horovod's
-  own states cannot carry it (a DGC refuses to be pickled and says so). The world size is read when
-  a step runs, since a traced step is kept across an elastic reset.
-* Keras 3 (the default ``tf.keras`` of TF 2.21) breaks parts of ``horovod.tensorflow`` itself;
-  use tf-keras with ``TF_USE_LEGACY_KERAS=1`` (see README).
+* **Global clipping**: one clipping factor per traced step (:mod:`dgc_horovod.tensorflow.clipping`).
+* **Horovod Elastic**: :mod:`dgc_horovod.tensorflow.elastic`; a traced step reads the world size.
+* **Keras**: the callbacks are in :mod:`dgc_horovod.tensorflow.keras`. Keras 3 (the default
+  ``tf.keras`` of TF 2.21) breaks parts of ``horovod.tensorflow``: use tf-keras (see README).
 """
-import json
-from contextlib import nullcontext as _nullcontext
-
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
@@ -52,8 +46,9 @@ from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.tensorflow.keras import (DGCTensorBoardCallback, DGCWarmupCallback, momentum_of,
                                           warn_if_keras3)
-from dgc_horovod.tensorflow.variables import (StateNames, check_same_variables, find_variable,
-                                              model_signature)
+from dgc_horovod.tensorflow.clipping import StepClipScale
+from dgc_horovod.tensorflow.variables import (ComparedModels, StateNames, collective_name,
+                                              find_variable)
 
 __all__ = ["DGC", "DGCWarmupCallback"]
 
@@ -85,41 +80,10 @@ class DGC(DGCAdapter, Compressor):
     def __init__(self, config=None, **kwargs):
         super().__init__(config, TFBackend(), **kwargs)
         self._names = StateNames()
-        self._pending = {}      # state name -> (SparseContext, payload words, world size)
-                                # between compress and decompress
-        self._checked_models = set()    # model signatures already compared across ranks
-        self._scale = None      # (grads list, graph, clip factor tensor) of the traced step
+        self._pending = {}      # between compress and decompress: name -> (ctx, words, world)
+        self._models = ComparedModels()     # variable lists already compared across ranks
+        self._clip_scale = StepClipScale(self._core, self._follow_horovod)
         warn_if_keras3()
-
-    def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
-        super().load_state_dict(state_dict, reset_residuals, process_set)
-        self._drop_pending()
-
-    load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__
-
-    # Horovod Elastic (the rule and the state operations: dgc_horovod.adapter; the states that
-    # carry a DGC: dgc_horovod.tensorflow.elastic) ---------------------------------------------
-    def _drop_pending(self):
-        self._pending.clear()
-
-    def _elastic_sync_more(self):
-        """Every rank takes the union of the model signatures the ranks have compared. The
-        comparison runs, with collectives, while Horovod's reduction is traced; after a reset
-        the survivors do not trace again (Keras keeps its train function), so a joining worker,
-        which traces alone, must skip the collectives for a model the others already compared.
-        (A joining worker whose model differs from every compared one starts the comparison
-        alone and waits: Horovod's stall warnings then name DGCCheckModelSizes.)"""
-        every = hvd.allgather_object(sorted(self._checked_models), name="dgc.elastic.models")
-        self._checked_models = set().union(*every)
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "a dgc_horovod.tensorflow.DGC cannot be pickled or copied: its state is per rank and "
-            "lives in tf.Variables. For Horovod Elastic, pass it to a state of "
-            "dgc_horovod.tensorflow.elastic (TensorFlowKerasState, TensorFlowState or "
-            "KerasState; same arguments as Horovod's), whose commit, restore and sync carry it: "
-            "Horovod's own TensorFlow states would broadcast the object by pickling; to "
-            "checkpoint, save dgc.state_dict()")
 
     # Horovod Compressor API ---------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -134,12 +98,8 @@ class DGC(DGCAdapter, Compressor):
         process_set = process_set if process_set is not None else hvd.global_process_set
         world = process_set.size()
         if world > 1:
-            signature = model_signature(*reduced)
-            key = json.dumps(signature)
-            if key not in self._checked_models:
-                check_same_variables(signature, process_set)
-                self._checked_models.add(key)
-        if world == 1:
+            self._models.check(*reduced, process_set)
+        else:
             self._warn_single_process()
         name = self._names.of(var)
         numel = tensor.shape.num_elements()
@@ -172,41 +132,12 @@ class DGC(DGCAdapter, Compressor):
                     (None, tensor, name, var))
         payload = tf.py_function(run_compress, [tensor, param, scale], tf.int32)
         payload.set_shape([None])
-        # "HorovodAllgather" in the name: hvd.elastic.run (TensorFlow) recognizes a failed
-        # Horovod op by its op name in the error message and restores; without it a worker
-        # leaving while this allgather waits would end the job instead.
-        gathered = hvd.allgather(payload, name="HorovodAllgather_DGC_" + _op_name(name),
-                                 process_set=process_set)
+        gathered = hvd.allgather(payload, name=collective_name(name), process_set=process_set)
         # The 1-element placeholder for Horovod's allreduce is this rank's entry count (word 2 of
         # the payload), not a constant: TensorFlow's graph optimizer folds a collective whose
         # input is constant, which would run it once instead of every step.
         placeholder = tf.cast(payload[2:3], tensor.dtype)
         return placeholder, ((name, average, gathered), tensor, name, var)
-
-    def _clip_scale(self, grads, tensor, process_set, average):
-        """Trace-time: the step's clipping factor (``DGCCore.clip_scale`` over all the gradients
-        Horovod reduces, in their order: one py_function per traced step, shared by every
-        tensor), or a constant 1 when global clipping is off."""
-        core = self._core
-        if not core.needs_clip_scale:
-            return tf.constant(1.0)
-        graph = getattr(tensor, "graph", None)
-        if self._scale is not None and self._scale[0] is grads and self._scale[1] is graph:
-            return self._scale[2]
-        dense = [g.values if isinstance(g, tf.IndexedSlices) else g
-                 for g in grads if g is not None]
-
-        def run_scale(*gs):
-            self._follow_horovod()
-            return tf.constant(core.clip_scale(list(gs), process_set.size(), average),
-                                tf.float32)
-
-        # in the graph the gradients live in, not in the tf.cond branch Horovod traces each
-        # tensor's reduction in: every branch then captures the same one op
-        with graph.as_default() if graph is not None else _nullcontext():
-            scale = tf.py_function(run_scale, dense, tf.float32)
-        self._scale = (grads, graph, scale)
-        return scale
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):
@@ -239,9 +170,27 @@ class DGC(DGCAdapter, Compressor):
         dense = tf.py_function(run_decompress, [gathered, tensor, param], tf.float32)
         return tf.cast(tf.reshape(dense, original.shape), original.dtype)
 
+    # checkpoints and Horovod Elastic (the rule: dgc_horovod.adapter; states: elastic.py) ------
+    def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
+        super().load_state_dict(state_dict, reset_residuals, process_set)
+        self._drop_pending()
 
-def _op_name(name):
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__
+
+    def _drop_pending(self):
+        self._pending.clear()
+
+    def _elastic_sync_more(self):
+        self._models.sync()     # the model signatures already compared
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a dgc_horovod.tensorflow.DGC cannot be pickled or copied: its state is per rank and "
+            "lives in tf.Variables. For Horovod Elastic, pass it to a state of "
+            "dgc_horovod.tensorflow.elastic (TensorFlowKerasState, TensorFlowState or "
+            "KerasState; same arguments as Horovod's), whose commit, restore and sync carry it: "
+            "Horovod's own TensorFlow states would broadcast the object by pickling; to "
+            "checkpoint, save dgc.state_dict()")
 
 
 #: Horovod-style namespace of compressors: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`.

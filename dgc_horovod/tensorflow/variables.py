@@ -8,9 +8,10 @@ Python stack at trace time to that ``allreduce_grads`` frame and finds the posit
 ``grads[j] is tensor``; ``vars[j]`` is the variable. Tracing runs on every rank in the same order,
 so each variable gets the same state key and collective name everywhere (:class:`StateNames`: its
 ``var.name``; a second distinct variable with the same name gets ``name#2``, never a shared
-state). :func:`model_signature` describes the variables Horovod reduces and
-:func:`check_same_variables` has the ranks compare them.
+state; :func:`collective_name` makes the name of its allgather). :class:`ComparedModels` has the
+ranks compare the variables Horovod reduces, once per list of variables.
 """
+import json
 import sys
 
 import horovod.tensorflow as hvd
@@ -18,7 +19,7 @@ import tensorflow as tf
 
 from dgc_horovod.adapter import check_same_model
 
-__all__ = ["find_variable", "model_signature", "check_same_variables", "StateNames"]
+__all__ = ["find_variable", "StateNames", "collective_name", "ComparedModels"]
 
 _HINT = ("pass it as compression= to horovod.tensorflow.DistributedGradientTape or to "
          "horovod.tensorflow.keras.DistributedOptimizer; DGC keeps per-variable state and must know "
@@ -65,7 +66,7 @@ def find_variable(tensor):
                        "reduction; " + _HINT)
 
 
-def model_signature(grads, variables):
+def _model_signature(grads, variables):
     """[name, "shape [...], dtype"] of every variable Horovod reduces a gradient of, in its
     order."""
     return [[v.name, f"shape {v.shape.as_list()}, {v.dtype.name}"]
@@ -78,8 +79,8 @@ _MISMATCH = ("the gradient #{i} Horovod reduces is of {a} on rank {me} but of {b
              "variable trainable or present on one rank only?)")
 
 
-def check_same_variables(signature, process_set):
-    """:func:`dgc_horovod.adapter.check_same_model` for a :func:`model_signature`, with two
+def _check_same_variables(signature, process_set):
+    """:func:`dgc_horovod.adapter.check_same_model` for a :func:`_model_signature`, with two
     eager allgathers (``DGCCheckModelSizes``, ``DGCCheckModel``), also while a tf.function is
     traced."""
     def gather(data):
@@ -117,3 +118,39 @@ class StateNames:
     def known(self, variables):
         """The state names of ``variables`` (their names where DGC has not named them yet)."""
         return [self._names[id(v)][1] if id(v) in self._names else v.name for v in variables]
+
+
+def collective_name(name):
+    """The name of the allgather of state ``name``'s payload. "HorovodAllgather" in it:
+    hvd.elastic.run (TensorFlow) recognizes a failed Horovod op by its op name in the error
+    message and restores; without it a worker leaving while this allgather waits would end the
+    job instead."""
+    return "HorovodAllgather_DGC_" + "".join(c if c.isalnum() or c in "._-" else "_"
+                                             for c in name)
+
+
+class ComparedModels:
+    """The lists of variables the ranks have compared (names, shapes, dtypes, order): each is
+    compared once, while Horovod's reduction is traced, with one pair of eager allgathers."""
+
+    def __init__(self):
+        self._keys = set()      # the signatures already compared, as JSON
+
+    def check(self, grads, variables, process_set):
+        """ValueError, on every rank, naming the first difference between the ranks' lists."""
+        signature = _model_signature(grads, variables)
+        key = json.dumps(signature)
+        if key not in self._keys:
+            _check_same_variables(signature, process_set)
+            self._keys.add(key)
+
+    def sync(self):
+        """Collective (the elastic state's sync): every rank takes the union of the signatures
+        the ranks have compared. The comparison runs, with collectives, while Horovod's
+        reduction is traced; after a reset the survivors do not trace again (Keras keeps its
+        train function), so a joining worker, which traces alone, must skip the collectives for
+        a model the others already compared. (A joining worker whose model differs from every
+        compared one starts the comparison alone and waits: Horovod's stall warnings then name
+        DGCCheckModelSizes.)"""
+        every = hvd.allgather_object(sorted(self._keys), name="dgc.elastic.models")
+        self._keys = set().union(*every)
