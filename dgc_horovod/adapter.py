@@ -1,17 +1,21 @@
 """What the PyTorch and TensorFlow compressors share: settings, warm-up, statistics, checkpoints,
-and Horovod Elastic (the reset rule, and :class:`ElasticHandler`, what an elastic state does with
-a DGC).
+the first-step checks (momentum applied twice, one process, :func:`check_same_model`), the
+Horovod-style ``Compression`` namespace (:func:`compression_namespace`), and Horovod Elastic (the
+reset rule, and :class:`ElasticHandler`, what an elastic state does with a DGC).
 
 Framework-free: each adapter subclasses :class:`DGCAdapter`, names its Horovod module in ``_hvd``
 and adds Horovod's ``compress`` / ``decompress`` for its framework.
 """
 import functools
+import json
 import logging
 import threading
+import warnings
 
 from dgc_horovod.core import DGCConfig, DGCCore
 
-__all__ = ["DGCAdapter", "DGCFactory", "ElasticHandler"]
+__all__ = ["DGCAdapter", "DGCFactory", "ElasticHandler", "check_same_model",
+           "compression_namespace"]
 
 _log = logging.getLogger("dgc_horovod")
 
@@ -66,6 +70,78 @@ class DGCFactory:
         return f"Compression.dgc (makes {self._cls.__module__}.{self._cls.__name__})"
 
 
+_COMPRESSION_DOC = """Horovod-style namespace of compressors, like ``{horovod}.Compression``.
+
+``Compression.none`` and ``Compression.fp16`` are Horovod's own; ``Compression.dgc(**kwargs)``
+returns a new :class:`DGC` with those settings (keyword arguments of
+:class:`~dgc_horovod.core.DGCConfig`, or ``config=DGCConfig(...)``)::
+
+    from {module} import Compression
+    compression = Compression.dgc(compress_ratio=0.001)
+    {usage}
+
+Unlike Horovod's stateless compressors, each call returns a new, stateful object: keep it
+(for ``set_epoch``, statistics and checkpoints) and use it with one {user} only.
+"""
+
+
+def compression_namespace(hvd, dgc_class, usage, user):
+    """The adapter's ``Compression`` class, like ``hvd.Compression``: ``none`` and ``fp16`` are
+    Horovod's own, ``dgc`` is a :class:`DGCFactory` of ``dgc_class``. ``usage``: the docstring
+    example's line that passes ``compression``; ``user``: what one DGC serves (e.g. "optimizer")."""
+    doc = _COMPRESSION_DOC.format(horovod=hvd.__name__, module=dgc_class.__module__,
+                                  usage=usage, user=user)
+    return type("Compression", (), {"__doc__": doc, "__module__": dgc_class.__module__,
+                                    "none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+                                    "dgc": DGCFactory(dgc_class)})
+
+
+_MODELS_DIFFER = "DGC: the ranks' models differ: "
+
+
+def check_same_model(signature, gather, rank, words):
+    """Every rank must reduce the same tensors (names, sizes, dtypes, order): compare the ranks'
+    signatures once and raise a ValueError naming the first difference on every rank, rather
+    than hang on collectives that never match (each tensor's is named after it) or sum two
+    different tensors.
+
+    Args:
+        signature (list): this rank's ``[name, description]`` of each tensor, in its order.
+        gather: the adapter's collective, ``gather(data) -> (sizes, every)``: every rank's
+            ``len(data)`` and all their bytes, in rank order.
+        rank (int): this rank.
+        words (tuple): the message's two ``str.format`` templates: a differing tensor (fields
+            ``i``, ``a``, ``b``, ``me``, ``rank``) and a differing count (``n``, ``m``, ``me``,
+            ``rank``, ``detail``: the first tensor one of the two ranks has alone).
+    """
+    sizes, data = gather(json.dumps(signature).encode())
+    every, start = [], 0
+    for n in sizes:
+        every.append(json.loads(data[start:start + n].decode()))
+        start += n
+    tensor, count = words
+    for other, theirs in enumerate(every):
+        if theirs == signature:
+            continue
+        if len(theirs) != len(signature):
+            longer, shorter, owner = ((signature, theirs, rank) if len(signature) > len(theirs)
+                                      else (theirs, signature, other))
+            names = {s[0] for s in shorter}
+            extra = next((s for s in longer if s[0] not in names), None)
+            detail = (f"; {_described(extra)} is reduced on rank {owner} only"
+                      if extra is not None else "")
+            raise ValueError(_MODELS_DIFFER + count.format(
+                n=len(signature), m=len(theirs), me=rank, rank=other, detail=detail))
+        for i, (a, b) in enumerate(zip(signature, theirs)):
+            if a != b:
+                raise ValueError(_MODELS_DIFFER + tensor.format(
+                    i=i, a=_described(a), b=_described(b), me=rank, rank=other))
+
+
+def _described(entry):
+    return f"{entry[0]!r} ({entry[1]})"
+
+
 class DGCAdapter:
     """Base of ``dgc_horovod.torch.DGC`` and ``dgc_horovod.tensorflow.DGC``.
 
@@ -94,7 +170,27 @@ class DGCAdapter:
         hvd = self._hvd
         self._session = self._horovod_session() if hvd.is_initialized() else None
         self._session_lock = threading.Lock()
+        self._warned_single = False
         self.resets = 0
+
+    # first-step checks -------------------------------------------------------------------
+    def _check_momentum(self, name, optimizer, momentum):
+        """ValueError when both DGC and the wrapped ``optimizer`` apply momentum to ``name``."""
+        if self.config.momentum > 0 and momentum > 0:
+            raise ValueError(
+                f"momentum would be applied twice to {name!r}: DGC(momentum="
+                f"{self.config.momentum}) applies momentum correction itself, and the wrapped "
+                f"optimizer {type(optimizer).__mro__[1].__name__} has momentum={momentum}. "
+                "Create the optimizer with momentum=0 (and nesterov=False), or use "
+                "DGC(momentum=0) for plain error feedback.")
+
+    def _warn_single_process(self):
+        """Warn (once) that Horovod bypasses DGC when one process runs."""
+        if not self._warned_single:
+            self._warned_single = True
+            warnings.warn("one Horovod process: Horovod skips the gradient reduction, and so DGC "
+                          "and its momentum correction; launch 2+ processes, or train with the "
+                          "optimizer's own momentum on one")
 
     # warm-up and statistics ------------------------------------------------------------
     def set_epoch(self, epoch):
@@ -143,9 +239,12 @@ class DGCAdapter:
         every tensor's velocity u, residual v and sparse flag keyed by its name, the
         threshold-sampling generator state, the cumulative statistics, and the world size and
         rank of ``process_set`` (default: the global one). Copies, safe to keep. Call it between
-        steps. PyTorch: ``torch.load(..., weights_only=True)`` can read it back. TensorFlow: the
-        tensors are eager ``tf.Tensor`` copies (``.numpy()`` them to pickle).
+        steps. PyTorch: ``torch.load(..., weights_only=True)`` can read it back; a RuntimeError
+        in the middle of a step (between ``loss.backward()`` and ``optimizer.step()``).
+        TensorFlow: the tensors are eager ``tf.Tensor`` copies (``.numpy()`` them to pickle).
         """
+        self._between_steps("state_dict() was called", "call it between steps, after "
+                            "optimizer.step(), as for the model's and the optimizer's")
         world, rank = self._job(process_set)
         return self._core.state_dict(world_size=world, rank=rank)
 
@@ -180,9 +279,9 @@ class DGCAdapter:
     # Horovod Elastic: the reset rule and the state handler's three operations -----------------
     # Framework hooks: _horovod_session() identifies the current Horovod initialization;
     # _drop_pending() forgets exchanges in flight (restore and reset); _drop_checks() forgets the
-    # first-step checks (reset); _between_steps(what, when) refuses a commit in the middle of a
-    # step; _elastic_sync_more() syncs what else a framework needs (TensorFlow: the model
-    # signatures already compared).
+    # first-step checks (reset); _between_steps(what, when) refuses a commit (and state_dict) in
+    # the middle of a step; _elastic_sync_more() syncs what else a framework needs (TensorFlow:
+    # the model signatures already compared).
 
     def _horovod_session(self):
         """An object that identifies the current Horovod initialization (default: this rank's

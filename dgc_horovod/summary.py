@@ -1,4 +1,5 @@
-"""TensorBoard scalars from any framework: :class:`EventWriter` and :func:`write_stats`.
+"""TensorBoard scalars from any framework: :class:`EventWriter`, :func:`write_stats` and
+:func:`log_stats`.
 
 :class:`EventWriter` is a thin wrapper around the ``tensorboard`` package's own framework-free
 writer (``tensorboard.summary.Writer``), with the ``add_scalar(tag, value, step)`` call of
@@ -15,10 +16,11 @@ Usage::
     writer.close()
 
 :func:`write_stats` takes any writer with ``add_scalar(tag, value, step)``, e.g. also
-``torch.utils.tensorboard.SummaryWriter``.
+``torch.utils.tensorboard.SummaryWriter``; :func:`log_stats` (also
+``dgc_horovod.torch.log_stats``) writes a DGC's own statistics.
 """
 
-__all__ = ["EventWriter", "write_stats", "STATS_SCALARS"]
+__all__ = ["EventWriter", "write_stats", "log_stats", "STATS_SCALARS"]
 
 #: CompressionStats fields written by :func:`write_stats` (tag ``prefix + name``).
 STATS_SCALARS = ("density", "ratio", "received_ratio", "selected", "wire_bytes",
@@ -65,3 +67,31 @@ def write_stats(writer, stats, step, prefix="dgc/"):
     for name, value in values.items():
         writer.add_scalar(prefix + name, value, step)
     return values
+
+
+def log_stats(writer, dgc, step, since=None, prefix="dgc/"):
+    """Write DGC's statistics as TensorBoard scalars (call it on rank 0 in your training loop).
+
+    Args:
+        writer: anything with ``add_scalar(tag, value, step)``: a
+            ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package) or the
+            dependency-free :class:`EventWriter`.
+        dgc (DGC): the compressor (``dgc_horovod.torch.DGC`` or ``dgc_horovod.tensorflow.DGC``).
+        step (int): the global step (or epoch) to record the values at.
+        since (CompressionStats or None): None writes the most recent step's counters
+            (``dgc.stats``); a copy of ``dgc.total_stats`` taken earlier (e.g. at the start of the
+            epoch) writes the counters accumulated since then (``dgc.total_stats.since(since)``).
+        prefix (str): tag prefix.
+
+    Writes ``prefix + name`` for name in :data:`STATS_SCALARS` (density, ratio and
+    received_ratio (dense bytes over the bytes sent / received), selected, wire_bytes,
+    received_bytes, dense_bytes, compress_seconds, nonfinite_tensors, overflowed_entries,
+    flushed_entries); returns the dict of values written. Example::
+
+        start = dgc.total_stats.copy()
+        ...train one epoch...
+        if hvd.rank() == 0:
+            log_stats(writer, dgc, epoch, since=start)
+    """
+    stats = dgc.stats if since is None else dgc.total_stats.since(since)
+    return write_stats(writer, stats, step, prefix=prefix)

@@ -15,13 +15,10 @@ Usage::
 
 How it rides on stock Horovod (0.28.x, unmodified):
 
-* Horovod's ``allreduce_grads(grads, vars)`` (built by ``_make_allreduce_grads_fn`` for both the tape
-  and the Keras optimizer, and wrapped in a ``tf.function`` even in eager mode) calls
-  ``compress(grad)`` while it traces, with the gradient only. **Which variable is this?** DGC walks
-  up the Python stack at trace time to that ``allreduce_grads`` frame and finds the position j with
-  ``grads[j] is tensor``; ``vars[j]`` is the variable. Tracing runs on every rank in the same
-  order, so each variable gets the same state key and collective name everywhere (its
-  ``var.name``; a second distinct variable with the same name gets ``name#2``, never a shared state).
+* Horovod's ``allreduce_grads(grads, vars)`` calls ``compress(grad)`` while it traces, with the
+  gradient only. **Which variable is this?** DGC finds it on the Python stack at trace time
+  (:mod:`dgc_horovod.tensorflow.variables`): each variable gets the same state key and collective
+  name on every rank (its ``var.name``; ``name#2`` for a second variable of the same name).
 * **State** (velocity u, residual v) is held by the framework-agnostic core in ``tf.Variable``s
   created eagerly. The per-step work (accumulate, select, encode; later decode) runs eagerly in
   ``tf.py_function`` ops placed in the traced graph, so Python-side settings such as the warm-up
@@ -32,125 +29,28 @@ How it rides on stock Horovod (0.28.x, unmodified):
 * ``tf.IndexedSlices`` gradients (embeddings) keep Horovod's own allgather path, untouched by DGC,
   unless ``sparse_as_dense=True`` turns them into dense gradients, which DGC then compresses.
 * **Rank mismatches.** The first time ``compress`` sees a list of variables (at trace time), the
-  ranks compare it (names, shapes, dtypes, order; one pair of eager allgathers) and raise a
-  ValueError naming the first differing variable on every rank instead of hanging.
+  ranks compare it and raise a ValueError naming the first difference on every rank, not hang.
 * With a single process Horovod skips the reduction (and so DGC) entirely; DGC warns then, since the
   optimizer would run without the momentum DGC provides.
-* **Horovod Elastic.** Pass the DGC object to a state of :mod:`dgc_horovod.tensorflow.elastic`
-  (Horovod's ``TensorFlowKerasState``, ``TensorFlowState`` and ``KerasState``, carrying DGC); Horovod's
-  own states cannot carry it (a DGC refuses to be pickled and says so). The world size is read when
-  a step runs, since a traced step is kept across an elastic reset.
-* Keras 3 (the default ``tf.keras`` of TF 2.21) breaks parts of ``horovod.tensorflow`` itself;
-  use tf-keras with ``TF_USE_LEGACY_KERAS=1`` (see README).
+* **Global clipping**: one clipping factor per traced step (:mod:`dgc_horovod.tensorflow.clipping`).
+* **Horovod Elastic**: :mod:`dgc_horovod.tensorflow.elastic`; a traced step reads the world size.
+* **Keras**: the callbacks are in :mod:`dgc_horovod.tensorflow.keras`. Keras 3 (the default
+  ``tf.keras`` of TF 2.21) breaks parts of ``horovod.tensorflow``: use tf-keras (see README).
 """
-import json
-import sys
-import warnings
-from contextlib import nullcontext as _nullcontext
-
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from dgc_horovod.adapter import DGCAdapter, DGCFactory
+from dgc_horovod.adapter import DGCAdapter, compression_namespace
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.backends.tf_backend import TFBackend
+from dgc_horovod.tensorflow.keras import (DGCTensorBoardCallback, DGCWarmupCallback, momentum_of,
+                                          warn_if_keras3)
+from dgc_horovod.tensorflow.clipping import StepClipScale
+from dgc_horovod.tensorflow.variables import (ComparedModels, StateNames, collective_name,
+                                              find_variable)
 
 __all__ = ["DGC", "DGCWarmupCallback"]
-
-_HINT = ("pass it as compression= to horovod.tensorflow.DistributedGradientTape or to "
-         "horovod.tensorflow.keras.DistributedOptimizer; DGC keeps per-variable state and must know "
-         "which variable a gradient belongs to")
-_KERAS3_HINT = ("tf.keras is Keras 3 here: horovod.tensorflow 0.28 calls .ref() and .assign() on "
-                "variables and fails on Keras 3 models (DistributedGradientTape with "
-                "model.trainable_variables, broadcast_variables, the Keras DistributedOptimizer). "
-                "Fix: pip install --no-deps tf-keras==<your TF version> and set "
-                "TF_USE_LEGACY_KERAS=1 before importing tensorflow. Plain tf.Variables work "
-                "either way.")
-_MAX_FRAMES = 80
-# Horovod's reduction function, as written and as converted by AutoGraph inside tf.function.
-_REDUCE_FRAMES = ("allreduce_grads", "tf__allreduce_grads")
-
-
-@tf.autograph.experimental.do_not_convert
-def _find_variable(tensor):
-    """(variable, op, process_set, owner, (grads, vars)) of the Horovod reduction that is
-    compressing ``tensor``; (grads, vars) are the lists that reduction was given."""
-    frame = sys._getframe(2)
-    op = process_set = found = reduced = None
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        local = frame.f_locals
-        if op is None and "process_set" in local and "op" in local:
-            op, process_set = local["op"], local["process_set"]
-        if found is None and frame.f_code.co_name in _REDUCE_FRAMES and "grads" in local \
-                and "vars" in local:
-            grads, variables = local["grads"], local["vars"]
-            if variables is None:
-                raise RuntimeError("Horovod reduced these gradients without their variables; "
-                                   + _HINT)
-            for j, g in enumerate(grads):
-                if g is tensor:
-                    found, reduced = variables[j], (grads, variables)
-                    break
-            else:
-                raise RuntimeError("DGC could not match the gradient it was given (shape "
-                                   f"{tensor.shape}) to one of the {len(grads)} gradients "
-                                   "Horovod is reducing")
-        owner = local.get("self")
-        if found is not None and owner is not None and hasattr(owner, "_allreduce_grads"):
-            return found, op, process_set, owner, reduced   # the Horovod tape or optimizer
-        frame = frame.f_back
-    if found is not None:
-        return found, op, process_set, None, reduced
-    raise RuntimeError("dgc_horovod.tensorflow.DGC was called outside Horovod's gradient "
-                       "reduction; " + _HINT)
-
-
-def _model_signature(grads, variables):
-    """[name, shape, dtype] of every variable Horovod reduces a gradient of, in its order."""
-    return [[v.name, list(v.shape.as_list()), v.dtype.name]
-            for g, v in zip(grads, variables) if g is not None]
-
-
-def _check_same_model(signature, process_set):
-    """Every rank must reduce the same variables (names, shapes, dtypes, order): compare the
-    signatures once, with two eager allgathers, and raise a ValueError naming the first
-    difference on every rank, rather than hang on collectives that never match (each variable's
-    allgather is named after it) or sum two different tensors."""
-    blob = json.dumps(signature).encode()
-    with tf.init_scope():                      # eager, also while a tf.function is traced
-        sizes = hvd.allgather(tf.constant([len(blob)], tf.int32), name="DGCCheckModelSizes",
-                              process_set=process_set).numpy().tolist()
-        data = hvd.allgather(tf.constant(list(blob), tf.int32), name="DGCCheckModel",
-                             process_set=process_set).numpy().astype("uint8").tobytes()
-    me = process_set.rank()
-    every, start = [], 0
-    for n in sizes:
-        every.append(json.loads(data[start:start + n].decode()))
-        start += n
-    for rank, theirs in enumerate(every):
-        if theirs == signature:
-            continue
-        if len(theirs) != len(signature):
-            longer, shorter, owner = ((signature, theirs, me) if len(signature) > len(theirs)
-                                      else (theirs, signature, rank))
-            names = {s[0] for s in shorter}
-            extra = next((s for s in longer if s[0] not in names), None)
-            detail = (f"; {extra[0]!r} (shape {extra[1]}, {extra[2]}) is reduced on rank {owner} "
-                      "only" if extra is not None else "")
-            raise ValueError(
-                f"DGC: the ranks' models differ: rank {me} reduces the gradients of "
-                f"{len(signature)} variables, rank {rank} of {len(theirs)}{detail} (a variable "
-                "trainable or present on one rank only?)")
-        for i, (a, b) in enumerate(zip(signature, theirs)):
-            if a != b:
-                raise ValueError(
-                    f"DGC: the ranks' models differ: the gradient #{i} Horovod reduces is of "
-                    f"{a[0]!r} (shape {a[1]}, {a[2]}) on rank {me} but of {b[0]!r} (shape "
-                    f"{b[1]}, {b[2]}) on rank {rank}; every rank must reduce the same "
-                    "trainable variables in the same order")
 
 
 class DGC(DGCAdapter, Compressor):
@@ -179,60 +79,11 @@ class DGC(DGCAdapter, Compressor):
 
     def __init__(self, config=None, **kwargs):
         super().__init__(config, TFBackend(), **kwargs)
-        self._names = {}        # variable ref -> unique state name
-        self._pending = {}      # state name -> (SparseContext, payload words, world size)
-                                # between compress and decompress
-        self._checked_models = set()    # model signatures already compared across ranks
-        self._warned_single = False
-        self._scale = None      # (grads list, graph, clip factor tensor) of the traced step
-        if str(getattr(tf.keras, "__version__", "2")).startswith("3"):
-            warnings.warn(_KERAS3_HINT)
-
-    def _name_of(self, var):
-        key = id(var)              # the variable is kept alive below, so the id stays unique
-        if key not in self._names:
-            base = var.name
-            taken = {name for _, name in self._names.values()}
-            name, n = base, 1
-            while name in taken:
-                n += 1
-                name = f"{base}#{n}"
-            self._names[key] = (var, name)
-        return self._names[key][1]
-
-    def _known_names(self, variables):
-        """The state names of ``variables`` (their names where DGC has not named them yet)."""
-        return [self._names[id(v)][1] if id(v) in self._names else v.name for v in variables]
-
-    def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
-        super().load_state_dict(state_dict, reset_residuals, process_set)
-        self._drop_pending()
-
-    load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__
-
-    # Horovod Elastic (the rule and the state operations: dgc_horovod.adapter; the states that
-    # carry a DGC: dgc_horovod.tensorflow.elastic) ---------------------------------------------
-    def _drop_pending(self):
-        self._pending.clear()
-
-    def _elastic_sync_more(self):
-        """Every rank takes the union of the model signatures the ranks have compared. The
-        comparison runs, with collectives, while Horovod's reduction is traced; after a reset
-        the survivors do not trace again (Keras keeps its train function), so a joining worker,
-        which traces alone, must skip the collectives for a model the others already compared.
-        (A joining worker whose model differs from every compared one starts the comparison
-        alone and waits: Horovod's stall warnings then name DGCCheckModelSizes.)"""
-        every = hvd.allgather_object(sorted(self._checked_models), name="dgc.elastic.models")
-        self._checked_models = set().union(*every)
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "a dgc_horovod.tensorflow.DGC cannot be pickled or copied: its state is per rank and "
-            "lives in tf.Variables. For Horovod Elastic, pass it to a state of "
-            "dgc_horovod.tensorflow.elastic (TensorFlowKerasState, TensorFlowState or "
-            "KerasState; same arguments as Horovod's), whose commit, restore and sync carry it: "
-            "Horovod's own TensorFlow states would broadcast the object by pickling; to "
-            "checkpoint, save dgc.state_dict()")
+        self._names = StateNames()
+        self._pending = {}      # between compress and decompress: name -> (ctx, words, world)
+        self._models = ComparedModels()     # variable lists already compared across ranks
+        self._clip_scale = StepClipScale(self._core, self._follow_horovod)
+        warn_if_keras3()
 
     # Horovod Compressor API ---------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -240,29 +91,17 @@ class DGC(DGCAdapter, Compressor):
         """Trace-time: place DGC's ops for ``tensor`` in the graph; return (to allreduce, ctx)."""
         if not tensor.dtype.is_floating:
             raise TypeError(f"DGC: gradients must be floating-point tensors, got {tensor.dtype}")
-        var, op, process_set, owner, reduced = _find_variable(tensor)
-        if self.config.momentum > 0 and _momentum_of(owner) > 0:
-            raise ValueError(
-                f"momentum would be applied twice to {var.name!r}: DGC(momentum="
-                f"{self.config.momentum}) applies momentum correction itself, and the wrapped "
-                f"optimizer {type(owner).__mro__[1].__name__} has momentum="
-                f"{_momentum_of(owner)}. Create the optimizer with momentum=0 (and "
-                "nesterov=False), or use DGC(momentum=0) for plain error feedback.")
+        var, op, process_set, owner, reduced = find_variable(tensor)
+        self._check_momentum(var.name, owner, momentum_of(owner))
         if op is not None and op not in (hvd.Average, hvd.Sum):
             raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
         process_set = process_set if process_set is not None else hvd.global_process_set
         world = process_set.size()
         if world > 1:
-            signature = _model_signature(*reduced)
-            key = json.dumps(signature)
-            if key not in self._checked_models:
-                _check_same_model(signature, process_set)
-                self._checked_models.add(key)
-        if world == 1 and not self._warned_single:
-            self._warned_single = True
-            warnings.warn("Horovod skips gradient reduction (and so DGC and its momentum "
-                          "correction) when only one process runs")
-        name = self._name_of(var)
+            self._models.check(*reduced, process_set)
+        else:
+            self._warn_single_process()
+        name = self._names.of(var)
         numel = tensor.shape.num_elements()
         if numel is None:
             raise ValueError(f"DGC needs a static shape for the gradient of {name!r}, got "
@@ -279,7 +118,7 @@ class DGC(DGCAdapter, Compressor):
             self._follow_horovod()
             now = process_set.size()
             if core.fit_pending:                    # the first step after load_state_dict:
-                core.check_fit(self._known_names(variables))    # every variable reduced
+                core.check_fit(self._names.known(variables))    # every variable reduced
             kind, out, ctx = core.compress(name, grad, now, param, average,
                                            float(clip_scale) if core.needs_clip_scale else None)
             if kind == "sparse":                    # and the allgather's input size
@@ -293,41 +132,12 @@ class DGC(DGCAdapter, Compressor):
                     (None, tensor, name, var))
         payload = tf.py_function(run_compress, [tensor, param, scale], tf.int32)
         payload.set_shape([None])
-        # "HorovodAllgather" in the name: hvd.elastic.run (TensorFlow) recognizes a failed
-        # Horovod op by its op name in the error message and restores; without it a worker
-        # leaving while this allgather waits would end the job instead.
-        gathered = hvd.allgather(payload, name="HorovodAllgather_DGC_" + _op_name(name),
-                                 process_set=process_set)
+        gathered = hvd.allgather(payload, name=collective_name(name), process_set=process_set)
         # The 1-element placeholder for Horovod's allreduce is this rank's entry count (word 2 of
         # the payload), not a constant: TensorFlow's graph optimizer folds a collective whose
         # input is constant, which would run it once instead of every step.
         placeholder = tf.cast(payload[2:3], tensor.dtype)
         return placeholder, ((name, average, gathered), tensor, name, var)
-
-    def _clip_scale(self, grads, tensor, process_set, average):
-        """Trace-time: the step's clipping factor (``DGCCore.clip_scale`` over all the gradients
-        Horovod reduces, in their order: one py_function per traced step, shared by every
-        tensor), or a constant 1 when global clipping is off."""
-        core = self._core
-        if not core.needs_clip_scale:
-            return tf.constant(1.0)
-        graph = getattr(tensor, "graph", None)
-        if self._scale is not None and self._scale[0] is grads and self._scale[1] is graph:
-            return self._scale[2]
-        dense = [g.values if isinstance(g, tf.IndexedSlices) else g
-                 for g in grads if g is not None]
-
-        def run_scale(*gs):
-            self._follow_horovod()
-            return tf.constant(core.clip_scale(list(gs), process_set.size(), average),
-                                tf.float32)
-
-        # in the graph the gradients live in, not in the tf.cond branch Horovod traces each
-        # tensor's reduction in: every branch then captures the same one op
-        with graph.as_default() if graph is not None else _nullcontext():
-            scale = tf.py_function(run_scale, dense, tf.float32)
-        self._scale = (grads, graph, scale)
-        return scale
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):
@@ -360,143 +170,31 @@ class DGC(DGCAdapter, Compressor):
         dense = tf.py_function(run_decompress, [gathered, tensor, param], tf.float32)
         return tf.cast(tf.reshape(dense, original.shape), original.dtype)
 
+    # checkpoints and Horovod Elastic (the rule: dgc_horovod.adapter; states: elastic.py) ------
+    def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
+        super().load_state_dict(state_dict, reset_residuals, process_set)
+        self._drop_pending()
+
+    load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__
+
+    def _drop_pending(self):
+        self._pending.clear()
+
+    def _elastic_sync_more(self):
+        self._models.sync()     # the model signatures already compared
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a dgc_horovod.tensorflow.DGC cannot be pickled or copied: its state is per rank and "
+            "lives in tf.Variables. For Horovod Elastic, pass it to a state of "
+            "dgc_horovod.tensorflow.elastic (TensorFlowKerasState, TensorFlowState or "
+            "KerasState; same arguments as Horovod's), whose commit, restore and sync carry it: "
+            "Horovod's own TensorFlow states would broadcast the object by pickling; to "
+            "checkpoint, save dgc.state_dict()")
 
 
-def _momentum_of(optimizer):
-    """The momentum hyper-parameter of a (Horovod-wrapped) Keras optimizer; 0.0 for a tape."""
-    m = getattr(optimizer, "momentum", None)
-    if m is None and hasattr(optimizer, "_get_hyper"):
-        try:
-            m = optimizer._get_hyper("momentum")
-        except (KeyError, AttributeError):
-            m = None
-    try:
-        return float(m) if m is not None else 0.0
-    except (TypeError, ValueError):
-        return 0.0
-
-
-def _op_name(name):
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-
-
-try:
-    import tf_keras as _keras_for_callback
-except ImportError:     # pragma: no cover - tf-keras is what horovod.tensorflow.keras needs
-    _keras_for_callback = tf.keras
-
-
-class DGCWarmupCallback(_keras_for_callback.callbacks.Callback):
-    """Keras callback: drive DGC's sparsity warm-up by epoch when ``warmup_epochs`` is set (the
-    analogue of Horovod's LearningRateWarmupCallback), and log DGC's per-epoch figures.
-
-    With ``warmup_epochs`` set, ``on_epoch_begin(epoch)`` calls ``dgc.set_epoch(epoch)``. By
-    default (``warmup_epochs=None``) DGC counts its own optimizer steps (``warmup_steps``) and
-    needs no callback; this one then leaves the warm-up alone (it does not call ``set_epoch``,
-    which would only warn that it has no effect). Either way ``on_epoch_end`` adds
-    ``dgc_density`` (the density in force), ``dgc_ratio`` and ``dgc_received_ratio`` (this rank's
-    wire compression over the epoch: dense bytes over the bytes it sent, and over the bytes it
-    received) to the logs."""
-
-    def __init__(self, dgc):
-        super().__init__()
-        self.dgc = dgc
-        self._start = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if self.dgc.config.warmup_epochs is not None:
-            self.dgc.set_epoch(epoch)
-        self._start = self.dgc.total_stats.copy()
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is not None and self._start is not None:
-            logs["dgc_density"] = self.dgc.density
-            stats = self.dgc.total_stats.since(self._start)
-            logs["dgc_ratio"], logs["dgc_received_ratio"] = stats.ratio, stats.received_ratio
-
-
-# Horovod-style entry point and TensorBoard logging --------------------------------------------
-class Compression:
-    """Horovod-style namespace of compressors, like ``horovod.tensorflow.Compression``.
-
-    ``Compression.none`` and ``Compression.fp16`` are Horovod's own; ``Compression.dgc(**kwargs)``
-    returns a new :class:`DGC` with those settings (keyword arguments of
-    :class:`~dgc_horovod.core.DGCConfig`, or ``config=DGCConfig(...)``)::
-
-        from dgc_horovod.tensorflow import Compression
-        compression = Compression.dgc(compress_ratio=0.001)
-        tape = hvd.DistributedGradientTape(tape, compression=compression)
-
-    Unlike Horovod's stateless compressors, each call returns a new, stateful object: keep it
-    (for ``set_epoch`` / :class:`DGCWarmupCallback`, statistics and checkpoints) and use it with
-    one tape or optimizer only.
-    """
-
-    none = hvd.Compression.none
-    fp16 = hvd.Compression.fp16
-
-    #: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`; uncalled it explains itself.
-    dgc = DGCFactory(DGC)
-
-
-class DGCTensorBoardCallback(_keras_for_callback.callbacks.Callback):
-    """Keras callback: write each epoch's DGC statistics as TensorBoard scalars.
-
-    At the end of every epoch it writes ``prefix + name`` for name in
-    :data:`dgc_horovod.summary.STATS_SCALARS` (density, ratio, received_ratio, selected,
-    wire_bytes, received_bytes, dense_bytes, compress_seconds, nonfinite_tensors,
-    overflowed_entries, flushed_entries), counted over that epoch for this rank, at
-    step ``epoch`` (0-based, as Keras's own ``TensorBoard`` callback does for its ``epoch_*``
-    scalars, so both line up). Add it on rank 0 only::
-
-        if hvd.rank() == 0:
-            callbacks.append(DGCTensorBoardCallback(dgc, log_dir="runs/dgc"))
-
-    It does not set the warm-up epoch: use it together with :class:`DGCWarmupCallback`.
-
-    Args:
-        dgc (DGC): the compressor.
-        log_dir (str): directory for a new event file (written by the dependency-free
-            :class:`dgc_horovod.summary.EventWriter`); or
-        writer: an existing writer instead: anything with ``add_scalar(tag, value, step)``, or a
-            ``tf.summary`` writer (``tf.summary.create_file_writer(...)``). Exactly one of the two.
-        prefix (str): tag prefix.
-    """
-
-    def __init__(self, dgc, log_dir=None, writer=None, prefix="dgc/"):
-        super().__init__()
-        if (log_dir is None) == (writer is None):
-            raise ValueError("DGCTensorBoardCallback: pass exactly one of log_dir and writer")
-        self.dgc, self.prefix = dgc, prefix
-        if writer is None:
-            from dgc_horovod.summary import EventWriter
-            writer = EventWriter(log_dir)
-        self.writer = writer
-        self._start = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = self.dgc.total_stats.copy()
-
-    def on_epoch_end(self, epoch, logs=None):
-        from dgc_horovod.summary import STATS_SCALARS
-        if self._start is None:
-            return
-        values = self.dgc.total_stats.since(self._start).to_dict()
-        w = self.writer
-        if hasattr(w, "add_scalar"):
-            for name in STATS_SCALARS:
-                w.add_scalar(self.prefix + name, values[name], epoch)
-        else:       # tf.summary.write: unlike tf.summary.scalar, it needs no tensorboard package
-            meta = tf.compat.v1.SummaryMetadata()
-            meta.plugin_data.plugin_name = "scalars"
-            with w.as_default():
-                for name in STATS_SCALARS:
-                    tf.summary.write(self.prefix + name, tf.constant(float(values[name]), tf.float32),
-                                     step=epoch, metadata=meta)
-        w.flush()
-
-    def on_train_end(self, logs=None):
-        self.writer.flush()         # not closed: fit() may be called again
-
+#: Horovod-style namespace of compressors: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`.
+Compression = compression_namespace(hvd, DGC, user="tape or optimizer", usage=(
+    "tape = hvd.DistributedGradientTape(tape, compression=compression)"))
 
 __all__ += ["Compression", "DGCTensorBoardCallback"]

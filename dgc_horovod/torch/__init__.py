@@ -10,150 +10,50 @@ Usage (the only change to a Horovod script)::
 
 How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
 
-* Horovod calls ``compress(p.grad)`` from ``DistributedOptimizer._allreduce_grad_async(p)`` (or
-  ``_grouped_allreduce_grad_async(ps)``) when a gradient is ready, then allreduces the result
-  under the parameter's name and later calls ``decompress(output, ctx)`` in ``synchronize()``.
-* **Which parameter is this?** ``compress`` receives only the gradient. DGC looks one to three
-  frames up the call stack for the calling Horovod optimizer (``self``) and the parameter being
-  reduced (its local ``p``), and verifies ``p.grad is tensor`` before using it; if the parameter in
-  that frame does not own the tensor, it searches the optimizer's parameters for the one whose
-  ``.grad`` is the tensor. State (velocity u, residual v) is keyed by the parameter's name from
-  ``named_parameters`` — the same name Horovod uses for its collectives, so it is identical on
-  every rank. This does not depend on the gradient object: it works with
-  ``zero_grad(set_to_none=True)`` (a new ``.grad`` every step) and ``False``, with
-  ``backward_passes_per_step > 1`` (compress runs once, on the accumulated gradient), and for
-  parameters without a gradient in a step (Horovod hands DGC zeros; DGC then only decays the
-  velocity). Called from anywhere else, DGC raises a RuntimeError saying how to use it.
-* **Exchange.** A sparsified tensor travels by :mod:`dgc_horovod.torch.exchange`, and
-  ``compress`` returns a 1-element zero placeholder for it: Horovod's own allreduce then carries
-  4 bytes. With buckets (the default), ``compress`` only checks the gradient and records it in
-  its bucket of parameters; when the bucket's last sparsified member arrives, the bucket is
-  accumulated, selected and encoded in one ``DGCCore.compress_many`` call and its one
-  ``hvd.allgather_async`` starts, overlapping with the rest of backward (a bucket still
-  incomplete when Horovod synchronizes is compressed and sent then). With ``bucket_numel=0``,
-  ``compress`` compresses the tensor at once and starts its own allgather, named
-  ``dgc.<parameter name>``. ``decompress`` waits for the allgather, sums every rank's
-  entries in rank order (bit-identical on every rank) and divides by the world size for
-  ``op=hvd.Average``. Tensors that are not sparsified (1-D by default) are compressed at once
-  and go through Horovod's dense allreduce as their momentum-corrected velocity.
-* **Global clipping** (``clip_norm`` with the default ``clip_scope="global"``): the rank's
-  clipping factor needs the norm over all of its gradients of the step, so every gradient,
-  dense ones included, is recorded until the step's last one arrives; then the factor is
-  computed, the buckets are compressed in plan order and allgathered, and the dense tensors are
-  allreduced by DGC itself (see :mod:`dgc_horovod.torch.exchange`). The cost: the exchange no
-  longer overlaps with backward. ``clip_scope="tensor"`` keeps the overlap.
-* **Horovod Elastic.** Pass the DGC object to ``hvd.elastic.TorchState(model, optimizer,
-  dgc=dgc, ...)``: :mod:`dgc_horovod.torch.elastic` registers a state handler with Horovod, so
-  ``state.commit()`` saves the compressor state with the model, a HorovodInternalError restores
-  the committed one, and ``sync`` gives every rank rank 0's warm-up epoch and sampling generator.
-  At every reset (Horovod re-initialized: a worker left or joined) every rank drops its velocities
-  and residuals, bucket plans and first-step checks (see :meth:`DGC.on_reset`).
+* Horovod calls ``compress(p.grad)`` when a gradient is ready, allreduces the result under the
+  parameter's name and later calls ``decompress(output, ctx)`` in ``synchronize()``.
+  **Which parameter is this?** ``compress`` receives only the gradient; DGC finds the parameter
+  on the call stack (:mod:`dgc_horovod.torch.params`) and keys its state (velocity u, residual v)
+  by the parameter's name from ``named_parameters``, identical on every rank. Called from
+  anywhere else, DGC raises a RuntimeError saying how to use it.
+* **Exchange** (:mod:`dgc_horovod.torch.exchange`). A sparsified tensor's payload goes out by
+  ``hvd.allgather_async``, one per bucket of parameters (``bucket_numel``; started when the
+  bucket's last sparsified member arrives, overlapping with the rest of backward) or, with
+  ``bucket_numel=0``, one per tensor (``dgc.<parameter name>``); Horovod's own allreduce carries a
+  1-element zero placeholder for it. ``decompress`` sums every rank's entries in rank order
+  (bit-identical on every rank) and divides by the world size for ``op=hvd.Average``. Tensors
+  that are not sparsified (1-D by default) go through Horovod's dense allreduce as their
+  momentum-corrected velocity. With global clipping (``clip_norm``, ``clip_scope="global"``)
+  every gradient waits for the step's last one, so the exchange no longer overlaps with backward.
 * **One process.** With ``hvd.size() == 1`` Horovod's optimizer never calls the compressor, so DGC
   does nothing at all; DGC warns when it is created after ``hvd.init()`` in a 1-process job.
-* **Momentum.** DGC applies momentum itself (momentum correction); creating the wrapped optimizer
-  with momentum > 0 as well would apply it twice, so DGC raises a ValueError at the first step
-  when both are > 0. Weight decay belongs in ``DGC(weight_decay=...)`` (and 0 in the wrapped
-  optimizer): by default (``weight_decay_mode="separate"``, the authors' reference code) it is
-  added densely after the exchange through its own momentum buffer, as dense momentum SGD
-  would; in the wrapped optimizer it would be added after the exchange *without* momentum.
+* **Momentum.** DGC applies momentum itself (momentum correction): create the wrapped optimizer
+  with momentum=0 (DGC raises a ValueError at the first step when both are > 0), and weight decay
+  belongs in ``DGC(weight_decay=...)`` (docs/usage.md, "Momentum, weight decay and clipping").
 """
-import sys
 import warnings
 import weakref
 
 import horovod.torch as hvd
 import torch
-from horovod.torch import mpi_ops as _mpi_ops
 from horovod.torch.compression import Compressor
 
-from dgc_horovod.adapter import DGCAdapter, DGCFactory
+from dgc_horovod.adapter import DGCAdapter, compression_namespace
 from dgc_horovod.core.sparsify import is_sparse
+from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
-from dgc_horovod.torch.exchange import Exchange
+from dgc_horovod.torch import elastic
+from dgc_horovod.torch.exchange import Exchange, Pending
+from dgc_horovod.torch.params import find_parameter, param_group
 
 __all__ = ["DGC"]
-
-_HINT = ("pass it to horovod.torch.DistributedOptimizer(..., compression=DGC(...)); "
-         "DGC keeps per-parameter state and must know which parameter a gradient belongs to")
-
-
-def _find_parameter(tensor, compressor):
-    """(optimizer, parameter, name) of the Horovod call that is compressing ``tensor``."""
-    frame = sys._getframe(2)
-    candidates = []
-    for _ in range(4):
-        if frame is None:
-            break
-        local = frame.f_locals
-        if isinstance(local.get("p"), torch.Tensor):
-            candidates.append(local["p"])
-        opt = local.get("self")
-        if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_parameter_names"):
-            if getattr(opt, "_compression", None) is not compressor:
-                raise RuntimeError("this DGC object is not the compression of the Horovod "
-                                   "optimizer calling it; " + _HINT)
-            if getattr(opt, "op", None) not in (hvd.Average, hvd.Sum):
-                # (Horovod's Adasum optimizer has no op attribute and compresses parameters)
-                raise RuntimeError("DGC supports hvd.DistributedOptimizer with op=hvd.Average or "
-                                   "op=hvd.Sum, not op=hvd.Adasum")
-            for p in candidates:
-                if _owns(p, tensor):
-                    return opt, p, opt._parameter_names[p]
-            for p in opt._parameter_names:      # fallback: search (e.g. a changed call site)
-                if _owns(p, tensor):
-                    return opt, p, opt._parameter_names[p]
-            raise RuntimeError("DGC could not find the parameter whose gradient it was given "
-                               f"(shape {tuple(tensor.shape)}) among the optimizer's parameters")
-        frame = frame.f_back
-    raise RuntimeError("dgc_horovod.torch.DGC was called outside horovod.torch."
-                       "DistributedOptimizer; " + _HINT)
-
-
-def _horovod_session():
-    """An object that identifies the current Horovod initialization.
-
-    ``horovod.torch.init()`` (0.28) binds a new ``mpi_ops._handle_map`` dict at every call, and
-    ``hvd.elastic.run`` calls ``shutdown(); init()`` at every reset, so a different object means
-    Horovod was re-initialized. Without that attribute (another Horovod version), the (size, rank)
-    pair stands in for it.
-    """
-    marker = getattr(_mpi_ops, "_handle_map", None)
-    if isinstance(marker, dict):
-        return marker
-    return (hvd.size(), hvd.rank()) if hvd.is_initialized() else None
-
-
-def _owns(p, tensor):
-    g = p.grad
-    return g is tensor or (g is not None and g.is_sparse and g.shape == tensor.shape)
-
-
-class _Pending:
-    """ctx of a sparsified tensor between compress and decompress.
-
-    In bucketed mode ``handle`` (the exchange ticket) and ``core_ctx`` (the core's
-    SparseContext) are filled in by the exchange, the latter when the bucket is compressed.
-    """
-
-    __slots__ = ("handle", "core_ctx", "shape", "dtype", "world_size", "average", "name",
-                 "param", "dense")
-
-    def __init__(self, handle, core_ctx, shape, dtype, world_size, average, name=None,
-                 param=None, dense=False):
-        self.handle, self.core_ctx, self.shape, self.dtype = handle, core_ctx, shape, dtype
-        self.world_size, self.average = world_size, average
-        self.name, self.param, self.dense = name, param, dense
 
 
 class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod compressor (Lin et al., ICLR 2018).
 
     Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig` (compress_ratio=0.004,
-    momentum=0.9, nesterov=False, momentum_masking=True, clip_norm=None, clip_scope="global",
-    weight_decay=0.0, weight_decay_mode="separate", sample_ratio=0.01, exact_topk=False,
-    min_sparse_numel=1, min_sparse_ndim=2, warmup_steps=1000, warmup_epochs=None,
-    warmup_initial_density=0.25, warmup_per_step=False, seed=0, wire_index="delta16",
-    wire_values="float32", bucket_numel=2**22), or pass ``config=DGCConfig(...)``.
+    momentum=0.9, ... bucket_numel=2**22; its docstring lists them), or ``config=DGCConfig(...)``.
 
     Use one DGC object per DistributedOptimizer (a second optimizer is refused), created
     identically on every rank. The sparsity warm-up counts DGC's own optimizer steps
@@ -161,26 +61,20 @@ class DGC(DGCAdapter, Compressor):
     ``warmup_epochs=...`` it follows ``set_epoch(epoch)`` instead, which must then be called
     every epoch (DGC warns when it never is).
 
-    Checkpoint and resume: DGC state is per rank (each rank's residual v holds the part of its own
-    gradients it has not sent yet), so each rank saves its own file, e.g.
-    ``torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-    "dgc": dgc.state_dict()}, f"ckpt.rank{hvd.rank()}.pt")``, and on resume loads that same
-    file on the same rank of a job of the same size with ``dgc.load_state_dict(ckpt["dgc"])``;
-    training then continues bit-identically to an uninterrupted run. Loading with a different
-    config, world size or rank raises ValueError; ``load_state_dict(sd, reset_residuals=True)``
-    keeps config, warm-up epoch and sampling generator but drops the velocities and residuals
-    (the dropped residual is lost gradient, a small one-off perturbation), e.g. to resume on a
-    different number of ranks.
+    Checkpoint and resume: DGC state is per rank, so each rank saves its own file, e.g.
+    ``torch.save({"model": ..., "optimizer": ..., "dgc": dgc.state_dict()},
+    f"ckpt.rank{hvd.rank()}.pt")``, and loads it on the same rank of a job of the same size with
+    ``dgc.load_state_dict(ckpt["dgc"])``: training then continues bit-identically (see
+    :meth:`load_state_dict`, and ``reset_residuals=True`` for a different number of ranks).
 
     Horovod Elastic: ``hvd.elastic.TorchState(model=model, optimizer=opt, dgc=dgc, ...)`` commits
     and restores this object with the model (see :mod:`dgc_horovod.torch.elastic`); at every
     reset each rank drops its velocities and residuals (:meth:`on_reset`).
 
-    Attributes:
-        config (DGCConfig): the settings. stats (CompressionStats): the most recent step's
-        counters for this rank (elements selected, wire bytes, dense bytes, ratio). total_stats:
-        cumulative counters. density (float): the density in force (warm-up). resets (int): how
-        many times the elastic reset rule was applied on this rank (:meth:`on_reset`).
+    Attributes: config (DGCConfig), stats (the most recent step's CompressionStats of this rank:
+    elements selected, wire bytes, dense bytes, ratio), total_stats (cumulative), density (in
+    force: warm-up), resets (how many times the elastic reset rule was applied here,
+    :meth:`on_reset`).
 
     Raises (from compress, i.e. from ``loss.backward()``):
         TypeError: a non-floating gradient. ValueError: momentum set both here and in the wrapped
@@ -196,10 +90,7 @@ class DGC(DGCAdapter, Compressor):
         self._checked = set()
         self._optimizer = None          # weak reference to the one optimizer this DGC serves
         if hvd.is_initialized() and hvd.size() == 1:
-            warnings.warn("one Horovod process: hvd.DistributedOptimizer registers no gradient "
-                          "hooks and never calls the compressor, so DGC (and its momentum "
-                          "correction) does nothing; launch 2+ processes, or train with the "
-                          "optimizer's own momentum on one")
+            self._warn_single_process()
 
     # Horovod Compressor API ---------------------------------------------------------------
     def compress(self, tensor):
@@ -208,13 +99,11 @@ class DGC(DGCAdapter, Compressor):
         Returns (tensor for Horovod's allreduce, ctx): a 1-element zero placeholder for a
         sparsified tensor, or the dense momentum-corrected velocity for a small tensor.
 
-        A sparsified tensor is compressed at once with ``bucket_numel=0`` (its payload then goes
-        out by its own allgather). In bucketed mode it is only checked and recorded here; its
-        bucket is compressed in one ``DGCCore.compress_many`` call when its last sparsified
-        member arrives (in that member's compress) or, if still incomplete, when Horovod
-        synchronizes (in decompress), and then allgathered.
+        With ``bucket_numel=0`` a sparsified tensor is compressed and sent at once; in bucketed
+        mode it is only checked and recorded here, and its bucket is compressed and sent when its
+        last sparsified member arrives or, if still incomplete, in decompress.
         """
-        opt, p, name = _find_parameter(tensor, self)
+        opt, p, name = find_parameter(tensor, self)
         self._follow_horovod()
         if self._core.fit_pending:                  # the first step after load_state_dict
             self._core.check_fit(opt._parameter_names.values())
@@ -227,15 +116,10 @@ class DGC(DGCAdapter, Compressor):
         param = p.detach()
         sparse = is_sparse(tensor.numel(), tensor.dim(), self.config)
         if (exchange.bucketed and sparse) or exchange.gated:
-            # Deferring is safe: Horovod calls compress from the gradient hook once the gradient
-            # is final (with backward_passes_per_step > 1 on the last pass, after accumulation;
-            # with zero_grad(set_to_none=True) or False alike, the .grad it hands over is not
-            # written again before synchronize(), which decompresses, and so compresses, it
-            # first). The tensor (a to_dense() copy for sparse_as_dense) is kept in the launch.
-            # Gated (global clipping): dense tensors wait for the step's last gradient too.
+            # deferred (safe: see Exchange.defer); gated, dense tensors wait for the step too
             self._core._check_entry(name, tensor, param)
-            ctx = _Pending(None, None, tensor.shape, tensor.dtype, world, average, name, param,
-                           dense=not sparse)
+            ctx = Pending(None, None, tensor.shape, tensor.dtype, world, average, name, param,
+                          dense=not sparse)
             if sparse:
                 exchange.defer(opt, name, tensor, param, process_set, ctx)
             else:
@@ -249,7 +133,7 @@ class DGC(DGCAdapter, Compressor):
             exchange.hold()
             return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)
         ticket = exchange.send(name, out, process_set)
-        ctx = _Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param)
+        ctx = Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param)
         return tensor.new_zeros(1, dtype=torch.float32), ctx
 
     def decompress(self, tensor, ctx):
@@ -257,7 +141,7 @@ class DGC(DGCAdapter, Compressor):
         if ctx is None:                       # Horovod's sparse (two-allgather) path
             return tensor
         core = self._core
-        if not isinstance(ctx, _Pending):     # dense tensor: Horovod's allreduce already reduced
+        if not isinstance(ctx, Pending):      # dense tensor: Horovod's allreduce already reduced
             shape, dtype, name, param = ctx
             self._exchange.release()
             return core.apply_weight_decay(name, tensor.view(-1), param).view(shape).to(dtype)
@@ -269,9 +153,27 @@ class DGC(DGCAdapter, Compressor):
         dense = core.apply_weight_decay(ctx.name, dense, ctx.param)
         return dense.view(ctx.shape).to(ctx.dtype)
 
+    def _check(self, opt, p, name):
+        """A parameter's first step: one optimizer per DGC, momentum not applied twice."""
+        owner = self._optimizer() if self._optimizer is not None else None
+        if owner is None:
+            self._optimizer = weakref.ref(opt)
+        elif owner is not opt:
+            raise ValueError("one DGC object is the compression of two DistributedOptimizers; "
+                             "its per-parameter residuals would mix the two models' gradients. "
+                             "Create one DGC(...) per optimizer.")
+        group = param_group(opt, p)
+        if group is not None:
+            if "betas" in group and self.config.momentum > 0 and not self._checked:
+                warnings.warn(
+                    f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
+                    f"momentum={self.config.momentum}) adds momentum correction on top. For "
+                    "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
+            self._check_momentum(name, opt, group.get("momentum", 0.0) or 0.0)
+        self._checked.add(name)
+
     # Horovod Elastic (the rule and the handler's operations: dgc_horovod.adapter) --------------
-    def _horovod_session(self):
-        return _horovod_session()
+    _horovod_session = staticmethod(elastic.horovod_session)
 
     def _drop_pending(self):
         self._exchange = Exchange(self._core, self.config.bucket_numel)
@@ -280,106 +182,15 @@ class DGC(DGCAdapter, Compressor):
         self._checked = set()
 
     def _between_steps(self, what, when):
-        """RuntimeError when a step is in progress (between backward() and optimizer.step()):
-        the residuals would then already hold this step's accumulation, the model not."""
-        if self._exchange.busy():
-            raise RuntimeError(f"DGC: {what} in the middle of a step (between loss.backward() and "
-                               f"optimizer.step(): the residuals already hold this step's "
-                               f"gradient, the parameters do not yet); {when}")
-
-    def state_dict(self, process_set=None):
-        self._between_steps("state_dict() was called", "call it between steps, after "
-                            "optimizer.step(), as for the model's and the optimizer's")
-        return super().state_dict(process_set)
-
-    state_dict.__doc__ = DGCAdapter.state_dict.__doc__ + """
-        Raises RuntimeError in the middle of a step (between ``loss.backward()`` and
-        ``optimizer.step()``).
-        """
-
-    def _check(self, opt, p, name):
-        owner = self._optimizer() if self._optimizer is not None else None
-        if owner is None:
-            self._optimizer = weakref.ref(opt)
-        elif owner is not opt:
-            raise ValueError("one DGC object is the compression of two DistributedOptimizers; "
-                             "its per-parameter residuals would mix the two models' gradients. "
-                             "Create one DGC(...) per optimizer.")
-        for group in opt.param_groups:
-            if any(q is p for q in group["params"]):
-                if "betas" in group and self.config.momentum > 0 and not self._checked:
-                    warnings.warn(
-                        f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
-                        f"momentum={self.config.momentum}) adds momentum correction on top. For "
-                        "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
-                m = group.get("momentum", 0.0) or 0.0
-                if m > 0 and self.config.momentum > 0:
-                    raise ValueError(
-                        f"momentum would be applied twice to {name!r}: DGC(momentum="
-                        f"{self.config.momentum}) applies momentum correction itself, and the "
-                        f"wrapped optimizer {type(opt).__mro__[1].__name__} has momentum={m}. "
-                        "Create the optimizer with momentum=0 (and nesterov=False), or use "
-                        "DGC(momentum=0) for plain error feedback.")
-                break
-        self._checked.add(name)
+        self._exchange.check_between_steps(what, when)
 
 
-
-# Horovod-style entry point and TensorBoard logging --------------------------------------------
-class Compression:
-    """Horovod-style namespace of compressors, like ``horovod.torch.Compression``.
-
-    ``Compression.none`` and ``Compression.fp16`` are Horovod's own; ``Compression.dgc(**kwargs)``
-    returns a new :class:`DGC` with those settings (keyword arguments of
-    :class:`~dgc_horovod.core.DGCConfig`, or ``config=DGCConfig(...)``)::
-
-        from dgc_horovod.torch import Compression
-        compression = Compression.dgc(compress_ratio=0.001)
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression=compression)
-
-    Unlike Horovod's stateless compressors, each call returns a new, stateful object: keep it
-    (for ``set_epoch``, statistics and checkpoints) and use it with one optimizer only.
-    """
-
-    none = hvd.Compression.none
-    fp16 = hvd.Compression.fp16
-
-    #: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`; uncalled it explains itself.
-    dgc = DGCFactory(DGC)
-
-
-def log_stats(writer, dgc, step, since=None, prefix="dgc/"):
-    """Write DGC's statistics as TensorBoard scalars (call it on rank 0 in your training loop).
-
-    Args:
-        writer: anything with ``add_scalar(tag, value, step)``: a
-            ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package) or the
-            dependency-free :class:`dgc_horovod.summary.EventWriter`.
-        dgc (DGC): the compressor.
-        step (int): the global step (or epoch) to record the values at.
-        since (CompressionStats or None): None writes the most recent step's counters
-            (``dgc.stats``); a copy of ``dgc.total_stats`` taken earlier (e.g. at the start of the
-            epoch) writes the counters accumulated since then (``dgc.total_stats.since(since)``).
-        prefix (str): tag prefix.
-
-    Writes ``prefix + name`` for name in :data:`dgc_horovod.summary.STATS_SCALARS` (density,
-    ratio and received_ratio (dense bytes over the bytes sent / received), selected, wire_bytes,
-    received_bytes, dense_bytes, compress_seconds, nonfinite_tensors, overflowed_entries,
-    flushed_entries); returns the dict of values written. Example::
-
-        start = dgc.total_stats.copy()
-        ...train one epoch...
-        if hvd.rank() == 0:
-            log_stats(writer, dgc, epoch, since=start)
-    """
-    from dgc_horovod.summary import write_stats
-    stats = dgc.stats if since is None else dgc.total_stats.since(since)
-    return write_stats(writer, stats, step, prefix=prefix)
+#: Horovod-style namespace of compressors: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`.
+Compression = compression_namespace(hvd, DGC, user="optimizer", usage=(
+    "opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),\n"
+    "                                   compression=compression)"))
 
 
 __all__ += ["Compression", "log_stats"]
 
-from dgc_horovod.torch import elastic  # noqa: E402  (registers DGC's TorchState handler)
-
-elastic.register(DGC)
+elastic.register(DGC)       # DGC's TorchState handler

@@ -33,11 +33,13 @@ sums differ in age and scale (1/N of another N). Dropping everywhere makes every
 new world from the same zero state; the cost is the unsent gradient at the time of the reset, a
 one-off perturbation comparable to the steps since the last commit that a failure loses anyway.
 """
+import horovod.torch as hvd
+from horovod.torch import mpi_ops as _mpi_ops
 from horovod.torch.elastic import state as _hvd_state
 
 from dgc_horovod.adapter import ElasticHandler
 
-__all__ = ["DGCStateHandler", "register"]
+__all__ = ["DGCStateHandler", "register", "horovod_session"]
 
 
 class DGCStateHandler(ElasticHandler, _hvd_state.StateHandler):
@@ -57,3 +59,18 @@ def register(dgc_class):
     registry = _hvd_state.get_handler_registry()
     if not any(cls is dgc_class for cls, _ in registry):
         _hvd_state.set_handler_registry(list(registry) + [(dgc_class, DGCStateHandler)])
+
+
+def horovod_session():
+    """An object that identifies the current Horovod initialization (what the reset rule
+    compares to notice a reset).
+
+    ``horovod.torch.init()`` (0.28) binds a new ``mpi_ops._handle_map`` dict at every call, and
+    ``hvd.elastic.run`` calls ``shutdown(); init()`` at every reset, so a different object means
+    Horovod was re-initialized. Without that attribute (another Horovod version), the (size, rank)
+    pair stands in for it.
+    """
+    marker = getattr(_mpi_ops, "_handle_map", None)
+    if isinstance(marker, dict):
+        return marker
+    return (hvd.size(), hvd.rank()) if hvd.is_initialized() else None

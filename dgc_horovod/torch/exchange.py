@@ -24,16 +24,34 @@ ends, so exchange no longer overlaps with backward. When the plan is made (the f
 step), the ranks compare their trainable parameters once and raise a ValueError naming the first
 difference, instead of hanging on collectives that never match.
 """
-import json
 import threading
 
 import horovod.torch as hvd
 import torch
 
+from dgc_horovod.adapter import check_same_model
 from dgc_horovod.core import PLACEHOLDER_BYTES, wire
 from dgc_horovod.core.buckets import plan_buckets
 
-__all__ = ["Exchange"]
+__all__ = ["Exchange", "Pending"]
+
+
+class Pending:
+    """ctx of a sparsified tensor between compress and decompress (and, in gated mode, of a
+    dense one: ``dense=True``).
+
+    In bucketed mode ``handle`` (the exchange ticket) and ``core_ctx`` (the core's
+    SparseContext) are filled in by the exchange, the latter when the bucket is compressed.
+    """
+
+    __slots__ = ("handle", "core_ctx", "shape", "dtype", "world_size", "average", "name",
+                 "param", "dense")
+
+    def __init__(self, handle, core_ctx, shape, dtype, world_size, average, name=None,
+                 param=None, dense=False):
+        self.handle, self.core_ctx, self.shape, self.dtype = handle, core_ctx, shape, dtype
+        self.world_size, self.average = world_size, average
+        self.name, self.param, self.dense = name, param, dense
 
 
 class _Launch:
@@ -75,29 +93,25 @@ class _Bucket:
         self.current = _Launch()
 
 
+_MISMATCH = ("trainable parameter #{i} (from the last) is {a} on rank {me} but {b} on rank {rank}",
+             "rank {me} has {n} trainable parameters, rank {rank} has {m}{detail} (a parameter "
+             "frozen or missing on one rank?)")
+
+
 def _check_same_model(opt, params):
-    """Every rank must reduce the same parameters (names, sizes, dtypes, order): compare once,
-    with one allgather, and raise a ValueError naming the first difference on every rank, rather
-    than hang on collectives that never match or sum two different tensors."""
-    mine = [[opt._parameter_names[p], p.numel(), str(p.dtype)] for p in params]
-    blob = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
-    sizes = hvd.allgather(torch.tensor([blob.numel()]), name="dgc.check_model.sizes",
-                          process_set=opt.process_set).tolist()
-    data = hvd.allgather(blob, name="dgc.check_model", process_set=opt.process_set)
-    every = [json.loads(bytes(chunk.tolist()).decode()) for chunk in data.split(sizes)]
-    for rank, theirs in enumerate(every):
-        if theirs == mine:
-            continue
-        for i, (a, b) in enumerate(zip(mine, theirs)):
-            if a != b:
-                raise ValueError(
-                    f"DGC: the ranks' models differ: trainable parameter #{i} (from the last) "
-                    f"is {a[0]!r} ({a[1]} elements, {a[2]}) on rank {opt.process_set.rank()} "
-                    f"but {b[0]!r} ({b[1]} elements, {b[2]}) on rank {rank}")
-        raise ValueError(
-            f"DGC: the ranks' models differ: rank {opt.process_set.rank()} has {len(mine)} "
-            f"trainable parameters, rank {rank} has {len(theirs)} (a parameter frozen or "
-            "missing on one rank?)")
+    """:func:`dgc_horovod.adapter.check_same_model` for the trainable parameters (name, size,
+    dtype; in plan order), with two allgathers."""
+    ps = opt.process_set
+
+    def gather(data):
+        sizes = hvd.allgather(torch.tensor([len(data)]), name="dgc.check_model.sizes",
+                              process_set=ps).tolist()
+        every = hvd.allgather(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                              name="dgc.check_model", process_set=ps)
+        return sizes, bytes(every.tolist())
+
+    signature = [[opt._parameter_names[p], f"{p.numel()} elements, {p.dtype}"] for p in params]
+    check_same_model(signature, gather, ps.rank(), _MISMATCH)
 
 
 class Exchange:
@@ -128,10 +142,14 @@ class Exchange:
         bucket_numel 0 every tensor is then a bucket of its own)."""
         return self._bucket_numel > 0 or self.gated
 
-    def busy(self):
-        """True between a tensor's send (or defer, or :meth:`hold`) and its receive (or
-        :meth:`release`): a step in progress."""
-        return self._outstanding > 0
+    def check_between_steps(self, what, when):
+        """RuntimeError when a step is in progress, i.e. between a tensor's send (or defer, or
+        :meth:`hold`) and its receive (or :meth:`release`); from backward() to optimizer.step()
+        the residuals already hold this step's accumulation, the model not."""
+        if self._outstanding > 0:
+            raise RuntimeError(f"DGC: {what} in the middle of a step (between loss.backward() and "
+                               f"optimizer.step(): the residuals already hold this step's "
+                               f"gradient, the parameters do not yet); {when}")
 
     def hold(self):
         """A dense tensor was compressed (its velocity updated) and is on Horovod's allreduce."""
@@ -172,6 +190,12 @@ class Exchange:
         ``pending`` is the tensor's ctx: its ``handle`` is set to the ticket for :meth:`receive`
         now, its ``core_ctx`` when the bucket is compressed. ``grad`` and ``param`` are kept
         until then. May compress and start the bucket (when this is its last member).
+
+        Deferring is safe: Horovod calls compress from the gradient hook once the gradient is
+        final (with backward_passes_per_step > 1 on the last pass, after accumulation; with
+        zero_grad(set_to_none=True) or False alike, the .grad it hands over is not written again
+        before synchronize(), which decompresses, and so compresses, it first). The tensor (a
+        to_dense() copy for sparse_as_dense) is kept in the launch.
         """
         bucket, member = self._plan(opt)[name]
         with self._lock:
