@@ -448,7 +448,8 @@ def report(r, args):
     print(f"# {r['warmup_steps']} warm-up + {r['steps']} timed steps, {r['threads']} torch thread(s) "
           f"per rank, nominal {r['per_rank_batch']} {r['unit']} per rank per step; load average "
           f"{r['loadavg_start'][0]:.2f} at start, {r['loadavg_end'][0]:.2f} at end")
-    print(f"# local compute alone (synthetic forward+backward+SGD update, all ranks at once): "
+    kind = "real" if r["model"] == "resnet18" else "synthetic"
+    print(f"# local compute alone ({kind} forward+backward+SGD update, all ranks at once): "
           f"{1e3 * compute:.1f} ± {1e3 * r['compute_s'][1]:.1f} ms wall, "
           f"{1e3 * r['compute_cpu_s']:.1f} ms CPU (rank 0)")
     head = (f"{'compression':>13} | {'step ms':>15} | {r['unit'] + '/s':>10} | {'bytes/step/rank':>15} | "

@@ -13,6 +13,7 @@ import threading
 import warnings
 
 from dgc_horovod.core import DGCConfig, DGCCore
+from dgc_horovod.core.config import config_diff
 
 __all__ = ["DGCAdapter", "DGCFactory", "ElasticHandler", "check_same_model",
            "compression_namespace"]
@@ -369,8 +370,7 @@ class DGCAdapter:
         mine = self._core.state_dict()
         configs = hvd.allgather_object(mine["config"], name="dgc.elastic.config")
         for rank, theirs in enumerate(configs):
-            differ = sorted(k for k in set(theirs) | set(mine["config"])
-                            if theirs.get(k) != mine["config"].get(k))
+            differ = config_diff(mine["config"], theirs)
             if differ:
                 detail = "; ".join(f"{k}: {mine['config'].get(k)!r} here, {theirs.get(k)!r} on "
                                    f"rank {rank}" for k in differ)

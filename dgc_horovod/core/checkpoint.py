@@ -8,6 +8,7 @@ statistics. :meth:`DGCCore.state_dict` and :meth:`DGCCore.load_state_dict` call 
 :func:`read`; every check of a load runs before the core changes anything.
 """
 from dgc_horovod.core import wire
+from dgc_horovod.core.config import config_diff
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.core.stats import ADDED_FIELDS, CompressionStats, StatsRecorder
 from dgc_horovod.core.warmup import density_at
@@ -18,7 +19,6 @@ __all__ = ["STATE_DICT_VERSION", "STATE_KEYS", "make", "read", "restore_generato
 STATE_DICT_VERSION = 2
 STATE_KEYS = ("version", "config", "epoch", "steps", "world_size", "rank", "tensors",
               "generator", "total_stats", "step_stats")
-_MISSING = object()
 
 
 def _stats_dict(stats):
@@ -81,8 +81,7 @@ def read(B, config, state_dict, world_size=None, rank=None, reset_residuals=Fals
     saved, now = state_dict["config"], config.to_dict()
     if not isinstance(saved, dict):
         raise ValueError("DGC state_dict 'config' must be a dict (DGCConfig.to_dict())")
-    differ = sorted(k for k in set(saved) | set(now)
-                    if saved.get(k, _MISSING) != now.get(k, _MISSING))
+    differ = config_diff(saved, now)
     if differ:
         detail = "; ".join(f"{k}: saved {saved.get(k, '<absent>')!r}, now "
                            f"{now.get(k, '<absent>')!r}" for k in differ)

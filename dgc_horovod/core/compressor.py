@@ -540,7 +540,7 @@ class DGCCore:
             self._fit.check_name(name)
         if not self.use_kernels or len(entries) < 2:
             for name, grad, param in entries:
-                self._check_entry(name, grad, param)
+                self.check_entry(name, grad, param)
             return [self.compress(name, grad, world_size, param, average, clip_scale)
                     for name, grad, param in entries]
         B, c = self.B, self.config
@@ -565,7 +565,7 @@ class DGCCore:
                     fused[i] = (st, plan, grad, gp)
                 else:
                     others.append(i)
-            check = self._check_entry
+            check = self.check_entry
             for i in others:
                 check(*entries[i])
             for i in others:
@@ -703,9 +703,10 @@ class DGCCore:
                                  f"elements, its gradient {self.B.numel(grad)}: they must match "
                                  "(weight_decay adds λ·param to the gradient)")
 
-    def _check_entry(self, name, grad, param=None):
-        """Every check of :meth:`compress` (also the size against the tensor's state), without
-        touching any state: compress_many runs them all before it changes anything."""
+    def check_entry(self, name, grad, param=None):
+        """Raise what :meth:`compress` would raise for this entry (the size against the tensor's
+        state included) without touching any state: compress_many runs them all before it
+        changes anything, and an adapter that defers a tensor to a bucket runs them at once."""
         B = self.B
         self._check_args(name, grad, param)
         st = self.states.get(name)

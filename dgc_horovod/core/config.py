@@ -8,7 +8,7 @@ argument given explicitly > the environment variable > the built-in default.
 import math
 import os
 
-__all__ = ["DGCConfig"]
+__all__ = ["DGCConfig", "config_diff"]
 
 #: Prefix of the environment variables: option ``compress_ratio`` is ``HOROVOD_DGC_COMPRESS_RATIO``.
 ENV_PREFIX = "HOROVOD_DGC_"
@@ -332,3 +332,11 @@ class DGCConfig:
 
     def __eq__(self, other):
         return isinstance(other, DGCConfig) and self.to_dict() == other.to_dict()
+
+
+def config_diff(a, b):
+    """The settings in which two ``DGCConfig.to_dict()`` dicts differ, sorted: one rule for the
+    checkpoint check (saved vs now) and the elastic check (this rank vs another). A key present
+    in only one of them differs."""
+    missing = object()
+    return sorted(k for k in set(a) | set(b) if a.get(k, missing) != b.get(k, missing))

@@ -117,7 +117,7 @@ class DGC(DGCAdapter, Compressor):
         sparse = is_sparse(tensor.numel(), tensor.dim(), self.config)
         if (exchange.bucketed and sparse) or exchange.gated:
             # deferred (safe: see Exchange.defer); gated, dense tensors wait for the step too
-            self._core._check_entry(name, tensor, param)
+            self._core.check_entry(name, tensor, param)
             ctx = Pending(None, None, tensor.shape, tensor.dtype, world, average, name, param,
                           dense=not sparse)
             if sparse:
