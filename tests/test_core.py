@@ -645,6 +645,26 @@ def test_wire_round_trip_sums_in_rank_order(backend, shape, world_size, fmt):
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_decode_sum_into_a_given_buffer(backend):
+    """out=: the same sum written into the caller's buffer (the gradient's storage), whatever it
+    held before (NaN included); a buffer of the wrong size is refused before it is touched."""
+    B, rng = BACKENDS[backend], np.random.default_rng(7)
+    numel = 50
+    contrib = _rank_contributions(rng, numel, 3)
+    gathered = B.cat([wire.encode(B, numel, to_backend(B, i), to_backend(B, v), 0)
+                      for i, v in contrib])
+    expect, _ = wire.decode_sum(B, gathered, numel, 3, "t")
+    buf = B.float32_flat(to_backend(B, np.full(numel, np.nan, F32)))
+    dense, nonfinite = wire.decode_sum(B, gathered, numel, 3, "t", out=buf)
+    assert dense is buf and not nonfinite
+    np.testing.assert_array_equal(to_np(buf), to_np(expect))
+    small = B.float32_flat(to_backend(B, np.full(numel - 1, 7.0, F32)))
+    with pytest.raises(ValueError, match="out has 49 elements, tensor 't' 50"):
+        wire.decode_sum(B, gathered, numel, 3, "t", out=small)
+    np.testing.assert_array_equal(to_np(small), np.full(numel - 1, 7.0, F32))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_wire_encode_layout(backend):
     B = BACKENDS[backend]
     idx, vals = np.array([9, 0, 4], np.int64), np.array([-1.25, 3.0, 1e-30], F32)

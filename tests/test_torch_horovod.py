@@ -45,6 +45,15 @@ def test_parameters_bit_identical_after_20_steps(run, variant):
     assert 41 + 7 + 7 <= r["selected_last_step"] <= 108
 
 
+@pytest.mark.parametrize("variant", ["set_to_none", "zero_grad_false", "per_tensor_allgather",
+                                     "all_sparse", "small_buckets"])
+def test_sparsified_update_comes_back_in_the_gradients_own_storage(run, variant):
+    """decompress writes a sparsified float32 gradient's update into the storage backward filled
+    (no new dense tensor per gradient per step); dense tensors keep Horovod's own path."""
+    r = run[0]["identical"][variant]["grad_storage"]
+    assert r["sparse"] and all(r["sparse"]), r
+
+
 @pytest.mark.parametrize("case", ["momentum_correction", "nesterov", "masking_equals_plain_sgd"])
 def test_ratio_one_equals_dense_sgd(run, case):
     assert run[0]["equivalence"][case] < 1e-6

@@ -25,6 +25,10 @@ class TFBackend(Backend):
     def zeros(self, n, like=None):
         return tf.Variable(tf.zeros([n], tf.float32), trainable=False)
 
+    def zero_(self, x):
+        x.assign(tf.zeros_like(x))
+        return x
+
     def empty_indices(self, like=None): return tf.zeros([0], tf.int64)
 
     def float32_flat(self, x):

@@ -18,6 +18,7 @@ class TorchBackend(Backend):
     def numel(self, x): return x.numel()
     def ndim(self, x): return x.dim()
     def zeros(self, n, like): return torch.zeros(n, dtype=torch.float32, device=like.device)
+    def zero_(self, x): return x.zero_()
     def empty_indices(self, like): return torch.empty(0, dtype=torch.int64, device=like.device)
     def float32_flat(self, x): return x.detach().reshape(-1).to(torch.float32, copy=True)
     def float32_view(self, x):

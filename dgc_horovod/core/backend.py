@@ -31,6 +31,7 @@ class Backend:
     def numel(self, x): raise NotImplementedError              # -> int
     def ndim(self, x): raise NotImplementedError               # -> int, dimensions
     def zeros(self, n, like): raise NotImplementedError        # float32 zeros (n,)
+    def zero_(self, x): raise NotImplementedError              # x[:] = 0 (NaN too); -> x
     def empty_indices(self, like): raise NotImplementedError   # int64 (0,)
     def float32_flat(self, x): raise NotImplementedError       # float32 1-D copy of x
     def float32_view(self, x): raise NotImplementedError       # float32 1-D, read only (no copy
@@ -126,6 +127,11 @@ class NumpyBackend(Backend):
     def numel(self, x): return int(x.size)
     def ndim(self, x): return int(np.ndim(x))
     def zeros(self, n, like=None): return np.zeros(n, dtype=np.float32)
+
+    def zero_(self, x):
+        x[...] = 0
+        return x
+
     def empty_indices(self, like=None): return np.zeros(0, dtype=np.int64)
     def float32_flat(self, x): return np.asarray(x, dtype=np.float32).reshape(-1).copy()
     def float32_view(self, x): return np.asarray(x, dtype=np.float32).reshape(-1)

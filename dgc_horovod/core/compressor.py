@@ -817,7 +817,7 @@ class DGCCore:
         with self._lock:
             self._stats.count_allgather(output_words, input_words)
 
-    def decompress(self, gathered, ctx, world_size, average=True, ranks=None):
+    def decompress(self, gathered, ctx, world_size, average=True, ranks=None, out=None):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.
 
         Args:
@@ -826,6 +826,8 @@ class DGCCore:
             world_size (int): N, ranks in the job. average (bool): divide the sum by N.
             ranks (int or None): payloads in ``gathered`` (default N; fewer when a rank sent
                 nothing for this tensor in a bucket).
+            out: None, or a flat float32 tensor of ctx.numel elements that receives the result
+                (the gradient's own storage, once compress has consumed it: no allocation).
         Returns:
             flat float32 tensor of ctx.numel elements, identical on every rank; all NaN if any
             rank's gradient was non-finite or any rank sent a non-finite value (float16
@@ -838,7 +840,7 @@ class DGCCore:
         positions = []
         dense, nonfinite = wire.decode_sum(B, gathered, ctx.numel,
                                            world_size if ranks is None else ranks, ctx.name,
-                                           positions)
+                                           positions, out)
         if nonfinite:
             st = self.states[ctx.name]
             if ctx.indices is not None:

@@ -112,7 +112,7 @@ def _fail(name, rank, what):
     raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} {what}")
 
 
-def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None):
+def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None, out=None):
     """Sum the sparse contributions of all ranks into a dense float32 tensor, in rank order.
 
     Every rank runs the same additions in the same order (rank 0 first), so the result is
@@ -124,6 +124,8 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None):
         name (str): tensor name, used in error messages.
         positions (list or None): when given, each rank's decoded index tensor (int32 or int64)
             is appended to it: together they are every position that may be non-zero.
+        out: None (a new tensor), or a flat float32 tensor of numel elements to zero and sum
+            into (the caller's gradient storage: no allocation); checked before it is touched.
     Returns:
         (dense, nonfinite): flat float32 tensor of numel elements (the sum, not the mean), and
         True if any rank flagged a non-finite gradient or sent a float16 value beyond float16's
@@ -133,7 +135,9 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None):
             over-long payload, or an index out of range; the message names tensor and rank.
     """
     total = B.numel(gathered)
-    dense = B.zeros(numel, like=gathered)
+    if out is not None and B.numel(out) != numel:
+        raise ValueError(f"decode_sum: out has {B.numel(out)} elements, tensor {name!r} {numel}")
+    dense = B.zeros(numel, like=gathered) if out is None else B.zero_(out)
     nonfinite = False
     pos = 0
     for rank in range(world_size):

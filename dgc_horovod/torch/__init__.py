@@ -115,11 +115,13 @@ class DGC(DGCAdapter, Compressor):
         exchange = self._exchange
         param = p.detach()
         sparse = is_sparse(tensor.numel(), tensor.dim(), self.config)
+        in_place = tensor.dtype is torch.float32 and tensor.is_contiguous()   # see Pending.out
+        into = tensor if sparse and in_place else None
         if (exchange.bucketed and sparse) or exchange.gated:
             # deferred (safe: see Exchange.defer); gated, dense tensors wait for the step too
             self._core.check_entry(name, tensor, param)
             ctx = Pending(None, None, tensor.shape, tensor.dtype, world, average, name, param,
-                          dense=not sparse)
+                          dense=not sparse, out=into)
             if sparse:
                 exchange.defer(opt, name, tensor, param, process_set, ctx)
             else:
@@ -133,7 +135,8 @@ class DGC(DGCAdapter, Compressor):
             exchange.hold()
             return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)
         ticket = exchange.send(name, out, process_set)
-        ctx = Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param)
+        ctx = Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param,
+                      out=into)
         return tensor.new_zeros(1, dtype=torch.float32), ctx
 
     def decompress(self, tensor, ctx):
@@ -149,7 +152,8 @@ class DGC(DGCAdapter, Compressor):
         if ctx.dense:                         # gated: reduced by DGC's own allreduce
             dense = gathered.view(-1)
         else:
-            dense = core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks)
+            dense = core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks,
+                                    None if ctx.out is None else ctx.out.view(-1))
         dense = core.apply_weight_decay(ctx.name, dense, ctx.param)
         return dense.view(ctx.shape).to(ctx.dtype)
 

@@ -42,16 +42,18 @@ class Pending:
 
     In bucketed mode ``handle`` (the exchange ticket) and ``core_ctx`` (the core's
     SparseContext) are filled in by the exchange, the latter when the bucket is compressed.
+    ``out``: the gradient itself when decompress may write the result into its storage (float32,
+    contiguous, sparsified; compress has consumed it by then), else None.
     """
 
     __slots__ = ("handle", "core_ctx", "shape", "dtype", "world_size", "average", "name",
-                 "param", "dense")
+                 "param", "dense", "out")
 
     def __init__(self, handle, core_ctx, shape, dtype, world_size, average, name=None,
-                 param=None, dense=False):
+                 param=None, dense=False, out=None):
         self.handle, self.core_ctx, self.shape, self.dtype = handle, core_ctx, shape, dtype
         self.world_size, self.average = world_size, average
-        self.name, self.param, self.dense = name, param, dense
+        self.name, self.param, self.dense, self.out = name, param, dense, out
 
 
 class _Launch:

@@ -73,6 +73,20 @@ def train(model, opt, steps=20, zero="none", bpps=1, aux_every=2, data_seed=None
         opt.step()
 
 
+def grad_storage(model, opt, dgc, prefix):
+    """One more step, after training: {parameter: whether its p.grad came back from
+    synchronize in the storage backward filled}, for sparsified and for dense parameters."""
+    x, y = batches(1, 300 + hvd.rank())[0]
+    opt.zero_grad()
+    F.cross_entropy(model(x, use_aux=True), y).backward()
+    before = {n: p.grad.data_ptr() for n, p in model.named_parameters()}
+    opt.step()
+    sparse = {n for n, s in dgc.states.items() if s.sparse}
+    kept = {n: p.grad.data_ptr() == before[n] for n, p in model.named_parameters()}
+    return {"sparse": [kept[n] for n in kept if f"{prefix}.{n}" in sparse],
+            "dense": [kept[n] for n in kept if f"{prefix}.{n}" not in sparse]}
+
+
 def scenario_identical(results, prefix_base):
     """Parameters bit-identical across ranks after 20 steps, for each Horovod usage pattern."""
     variants = {
@@ -111,6 +125,9 @@ def scenario_identical(results, prefix_base):
             "selected_last_step": dgc.stats.selected,
             "steps_counted": dgc.total_stats.steps,
         }
+        # one step more, after the facts above were taken
+        out[name]["grad_storage"] = (None if opt_kw else
+                                     grad_storage(model, opt, dgc, f"{prefix_base}.{name}"))
     results["identical"] = out
 
 
