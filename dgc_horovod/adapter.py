@@ -156,6 +156,8 @@ class DGCAdapter:
     """
 
     _hvd = None          # the adapter's Horovod module (horovod.torch / horovod.tensorflow)
+    #: the values of ``DGCConfig.exchange`` this adapter implements
+    exchanges = ("allgather",)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -167,6 +169,11 @@ class DGCAdapter:
         if config is not None and kwargs:
             raise TypeError("pass either config=DGCConfig(...) or keyword arguments, not both")
         self.config = config if config is not None else DGCConfig(**kwargs)
+        if self.config.exchange not in self.exchanges:
+            raise ValueError(f"exchange={self.config.exchange!r}"
+                             f"{self.config._from('exchange')} is not available in "
+                             f"{type(self).__module__}; it supports "
+                             f"{', '.join(map(repr, self.exchanges))}")
         self._core = DGCCore(self.config, backend)
         hvd = self._hvd
         self._session = self._horovod_session() if hvd.is_initialized() else None

@@ -68,7 +68,7 @@ class TorchBackend(Backend):
     def drop_zeros(self, idx, mag): return idx[mag > 0]
     def take(self, x, idx): return x.index_select(0, idx)
     def scatter_(self, x, idx, vals): x.index_copy_(0, idx.long(), vals)
-    def fill_at_(self, x, idx, value): x.index_fill_(0, idx, value)
+    def fill_at_(self, x, idx, value): x.index_fill_(0, idx.long(), value)
     def index_add_(self, x, idx, vals): x.index_add_(0, idx.long(), vals)
 
     def int32_tensor(self, values, like):

@@ -17,6 +17,9 @@ __all__ = ["STATE_DICT_VERSION", "STATE_KEYS", "make", "read", "restore_generato
 
 #: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load).
 STATE_DICT_VERSION = 2
+#: Options added since STATE_DICT_VERSION 2 was introduced, with the value an older checkpoint
+#: (which lacks them) was trained with.
+ADDED_OPTIONS = {"exchange": "allgather"}
 STATE_KEYS = ("version", "config", "epoch", "steps", "world_size", "rank", "tensors",
               "generator", "total_stats", "step_stats")
 
@@ -81,6 +84,7 @@ def read(B, config, state_dict, world_size=None, rank=None, reset_residuals=Fals
     saved, now = state_dict["config"], config.to_dict()
     if not isinstance(saved, dict):
         raise ValueError("DGC state_dict 'config' must be a dict (DGCConfig.to_dict())")
+    saved = {**ADDED_OPTIONS, **saved}
     differ = config_diff(saved, now)
     if differ:
         detail = "; ".join(f"{k}: saved {saved.get(k, '<absent>')!r}, now "

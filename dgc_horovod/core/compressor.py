@@ -79,7 +79,7 @@ from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
 from dgc_horovod.core.stats import PLACEHOLDER_BYTES, StatsRecorder
 from dgc_horovod.core.warmup import density_at, density_at_step
-from dgc_horovod.core import checkpoint, kernels, wire
+from dgc_horovod.core import checkpoint, kernels, regions, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
@@ -817,7 +817,17 @@ class DGCCore:
         with self._lock:
             self._stats.count_allgather(output_words, input_words)
 
-    def decompress(self, gathered, ctx, world_size, average=True, ranks=None, out=None):
+    def reduce_region(self, gathered, name, numel, rank, world_size):
+        """``exchange="regions"``, steps 3-4 of :mod:`dgc_horovod.core.regions` on the owner of
+        region ``rank`` of tensor ``name``: (the payload to allgather, the dropped sums to hand
+        to :meth:`decompress`). ``gathered``: the N ranks' payloads for the region (alltoall),
+        in rank order."""
+        c = self.config
+        return regions.reduce_region(self.B, gathered, numel, regions.bounds(numel, world_size)[rank],
+                                     world_size, self.density, name, c.wire_index, c.wire_values)
+
+    def decompress(self, gathered, ctx, world_size, average=True, ranks=None, out=None,
+                   dropped=None):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.
 
         Args:
@@ -828,6 +838,10 @@ class DGCCore:
                 nothing for this tensor in a bucket).
             out: None, or a flat float32 tensor of ctx.numel elements that receives the result
                 (the gradient's own storage, once compress has consumed it: no allocation).
+            dropped: ``exchange="regions"``: what :meth:`reduce_region` dropped on this rank
+                (or None). With that exchange, after a finite step the dropped sums join v and
+                the momentum of sent but unapplied entries is put back
+                (:func:`dgc_horovod.core.regions.keep_unapplied`).
         Returns:
             flat float32 tensor of ctx.numel elements, identical on every rank; all NaN if any
             rank's gradient was non-finite or any rank sent a non-finite value (float16
@@ -848,6 +862,10 @@ class DGCCore:
                     restore_sent(B, st.u, st.v, ctx.indices, ctx.values, ctx.u_sent)
             B.mul_(dense, float("nan"))
             return dense
+        if self.config.exchange == "regions":
+            st = self.states[ctx.name]
+            with self._lock:
+                regions.keep_unapplied(B, st.u, st.v, dense, ctx.indices, ctx.u_sent, dropped)
         if average and world_size > 1 and positions:
             # divide by N only where a rank sent something (elsewhere 0 / N is 0): the same
             # bits as dividing the whole tensor, without a pass over it. A position sent by

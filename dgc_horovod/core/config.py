@@ -86,6 +86,7 @@ _INDEX = ("delta16", "int32")
 _VALUES = ("float32", "float16")
 _CLIP_SCOPES = ("global", "tensor")
 _WD_MODES = ("separate", "accumulated")
+_EXCHANGES = ("allgather", "regions")
 
 # option: (default, check(name, value) -> value, parse(text) -> value, the environment form)
 _OPTIONS = {
@@ -115,6 +116,8 @@ _OPTIONS = {
     "wire_values": ("float32", lambda n, v: _check_choice(n, v, _VALUES), str.lower,
                     "one of float32, float16"),
     "bucket_numel": (2 ** 22, lambda n, v: _check_int(n, v, 0), int, "an int >= 0"),
+    "exchange": ("allgather", lambda n, v: _check_choice(n, v, _EXCHANGES), str.lower,
+                 "one of allgather, regions"),
 }
 
 
@@ -219,6 +222,14 @@ class DGCConfig:
             sent as 0 and stay in the residual. Both are counted (``stats.overflowed_entries``,
             ``stats.flushed_entries``) and warned about once (see
             :mod:`dgc_horovod.core.compressor`).
+        exchange (str): how the sparsified payloads travel (PyTorch adapter). "allgather"
+            (default, the paper's): every rank receives every other rank's selection, (N−1)·k
+            entries per step, and applies all of them. "regions": a sparse reduce-scatter by
+            Horovod alltoall over N index regions, each region's owner keeps the k/N largest
+            entries of the sum, and an allgather shares them: about 2k(N−1)/N entries received
+            per rank, whatever N; it applies the k largest of the summed selections and keeps
+            the rest in the owners' residuals (:mod:`dgc_horovod.core.regions`; measured in
+            docs/scaling.md).
 
         environ (mapping or None): where the ``HOROVOD_DGC_*`` variables are read; None (the
             default) reads ``os.environ``, ``{}`` ignores the environment.
@@ -260,7 +271,7 @@ class DGCConfig:
                  bucket_numel=_D["bucket_numel"], *, clip_scope=_D["clip_scope"],
                  weight_decay_mode=_D["weight_decay_mode"],
                  min_sparse_ndim=_D["min_sparse_ndim"], warmup_steps=_D["warmup_steps"],
-                 environ=None):
+                 exchange=_D["exchange"], environ=None):
         given = dict(locals())
         env = self._read_environ(os.environ if environ is None else environ)
         sources = {}

@@ -29,7 +29,7 @@ the receiver's settings; a payload of another format version is rejected by its 
 import math
 
 __all__ = ["MAGIC_V2", "BUCKET_MAGIC", "frame_bucket", "split_bucket", "BUCKET_HEADER_BYTES", "FLAG_NONFINITE", "HEADER_WORDS", "HEADER_BYTES", "MAX_NUMEL",
-           "INDEX_ENCODINGS", "VALUE_DTYPES", "encode", "decode_sum", "payload_bytes",
+           "INDEX_ENCODINGS", "VALUE_DTYPES", "encode", "decode_sum", "read_payload", "payload_bytes",
            "check_numel", "WireFormatError"]
 
 MAGIC_V2 = 0x44474302
@@ -112,6 +112,59 @@ def _fail(name, rank, what):
     raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} {what}")
 
 
+def read_payload(B, words, pos, numel, name="<tensor>", rank=0):
+    """Check and decode the payload that starts at word ``pos`` of ``words``.
+
+    Returns (indices, values, flags, index encoding, value dtype, end): int32/int64 positions and
+    float32 values (None, None when the payload has no entry), the header's flags and encodings
+    (names from INDEX_ENCODINGS / VALUE_DTYPES), and the word after the payload.
+    Raises WireFormatError (naming tensor and rank) as :func:`decode_sum` describes.
+    """
+    total = B.numel(words)
+    if pos + HEADER_WORDS > total:
+        _fail(name, rank, f"is truncated: no complete header ({total - pos} of "
+                          f"{HEADER_WORDS} words left)")
+    magic, n, c, word3, tokens = B.to_list(B.slice(words, pos, pos + HEADER_WORDS))
+    if magic != MAGIC_V2:
+        _fail(name, rank, f"has header {magic & 0xFFFFFFFF:#010x}, expected {MAGIC_V2:#010x} "
+                          "(DGC wire format v2); are all ranks running the same dgc_horovod "
+                          "version?")
+    if n != numel:
+        _fail(name, rank, f"describes {n} elements, this rank has {numel}: the models differ")
+    if not 0 <= c <= numel:
+        _fail(name, rank, f"claims {c} entries for a tensor of {numel} elements")
+    flags, index_code, value_code = word3 & 0xFF, (word3 >> 8) & 0xFF, (word3 >> 16) & 0xFF
+    if index_code >= len(INDEX_ENCODINGS) or value_code >= len(VALUE_DTYPES) or word3 >> 24:
+        _fail(name, rank, f"has an unknown encoding word {word3:#010x}")
+    index, values = INDEX_ENCODINGS[index_code], VALUE_DTYPES[value_code]
+    if (index == "int32" and tokens != c) or not c <= tokens <= numel:
+        _fail(name, rank, f"has {tokens} index tokens for {c} entries")
+    idx_words, val_words = _section_words(c, index, values, tokens)
+    start = pos + HEADER_WORDS
+    end = start + idx_words + val_words
+    if end > total:
+        _fail(name, rank, f"is truncated: {c} entries need {idx_words + val_words} words, "
+                          f"{total - start} left")
+    if not c:
+        return None, None, flags, index, values, end
+    iw = B.slice(words, start, start + idx_words)
+    if index == "int32":
+        idx = iw
+    else:
+        toks = B.unpack16(iw, tokens)
+        is_entry = toks != 0
+        if B.count_true(is_entry) != c:
+            _fail(name, rank, f"has {B.count_true(is_entry)} index tokens with entries, "
+                              f"header says {c}")
+        idx = B.mask(B.cumsum(B.where(is_entry, toks, _ESCAPE)) - 1, is_entry)
+    lo, hi = B.min_max(idx)
+    if lo < 0 or hi >= numel:
+        _fail(name, rank, f"has index {lo if lo < 0 else hi} outside [0, {numel})")
+    vw = B.slice(words, start + idx_words, end)
+    vals = B.bits_float32(vw) if values == "float32" else B.unpack_fp16(vw, c)
+    return idx, vals, flags, index, values, end
+
+
 def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None, out=None):
     """Sum the sparse contributions of all ranks into a dense float32 tensor, in rank order.
 
@@ -141,53 +194,14 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None, 
     nonfinite = False
     pos = 0
     for rank in range(world_size):
-        if pos + HEADER_WORDS > total:
-            _fail(name, rank, f"is truncated: no complete header ({total - pos} of "
-                              f"{HEADER_WORDS} words left)")
-        magic, n, c, word3, tokens = B.to_list(B.slice(gathered, pos, pos + HEADER_WORDS))
-        if magic != MAGIC_V2:
-            _fail(name, rank, f"has header {magic & 0xFFFFFFFF:#010x}, expected {MAGIC_V2:#010x} "
-                              "(DGC wire format v2); are all ranks running the same dgc_horovod "
-                              "version?")
-        if n != numel:
-            _fail(name, rank, f"describes {n} elements, this rank has {numel}: the models differ")
-        if not 0 <= c <= numel:
-            _fail(name, rank, f"claims {c} entries for a tensor of {numel} elements")
-        flags, index_code, value_code = word3 & 0xFF, (word3 >> 8) & 0xFF, (word3 >> 16) & 0xFF
-        if index_code >= len(INDEX_ENCODINGS) or value_code >= len(VALUE_DTYPES) or word3 >> 24:
-            _fail(name, rank, f"has an unknown encoding word {word3:#010x}")
-        index, values = INDEX_ENCODINGS[index_code], VALUE_DTYPES[value_code]
-        if (index == "int32" and tokens != c) or not c <= tokens <= numel:
-            _fail(name, rank, f"has {tokens} index tokens for {c} entries")
-        idx_words, val_words = _section_words(c, index, values, tokens)
-        start = pos + HEADER_WORDS
-        end = start + idx_words + val_words
-        if end > total:
-            _fail(name, rank, f"is truncated: {c} entries need {idx_words + val_words} words, "
-                              f"{total - start} left")
+        idx, vals, flags, _, values, pos = read_payload(B, gathered, pos, numel, name, rank)
         nonfinite |= bool(flags & FLAG_NONFINITE)
-        if c:
-            iw = B.slice(gathered, start, start + idx_words)
-            if index == "int32":
-                idx = iw
-            else:
-                toks = B.unpack16(iw, tokens)
-                is_entry = toks != 0
-                if B.count_true(is_entry) != c:
-                    _fail(name, rank, f"has {B.count_true(is_entry)} index tokens with entries, "
-                                      f"header says {c}")
-                idx = B.mask(B.cumsum(B.where(is_entry, toks, _ESCAPE)) - 1, is_entry)
-            lo, hi = B.min_max(idx)
-            if lo < 0 or hi >= numel:
-                _fail(name, rank, f"has index {lo if lo < 0 else hi} outside [0, {numel})")
-            vw = B.slice(gathered, start + idx_words, end)
-            vals = B.bits_float32(vw) if values == "float32" else B.unpack_fp16(vw, c)
+        if idx is not None:
             if values == "float16":                 # ±inf: a value beyond float16's range
                 nonfinite = nonfinite or not B.all_finite(vals)
             B.index_add_(dense, idx, vals)
             if positions is not None:
                 positions.append(idx)
-        pos = end
     if pos != total:
         raise WireFormatError(f"DGC payload of tensor {name!r} has {total - pos} unexpected "
                               f"trailing words after the payload of rank {world_size - 1} "

@@ -1,0 +1,157 @@
+"""The region exchange (``exchange="regions"``): per-rank traffic O(k) instead of O(k·N).
+
+With allgather (the default exchange, the paper's) every rank receives every other rank's k
+selected entries, (N−1)·k per step, and decodes N payloads. The region exchange is a sparse
+reduce-scatter followed by an allgather of the reduced, re-sparsified sums, built on Horovod's
+alltoall and allgather. For one sparsified tensor of n elements, N ranks, density ρ:
+
+    regions     R_j = [⌊j·n/N⌋, ⌊(j+1)·n/N⌋), j = 0..N−1 (contiguous; sizes differ by at most 1)
+    1. select   rank r compresses as under allgather (Algorithm 1: momentum correction, top-k of
+                |v_r|, encode; u_r and v_r cleared at the sent positions I_r), payload G_r
+    2. scatter  (alltoall) rank r sends G_r ∩ R_j to rank j, positions relative to R_j
+    3. reduce   rank j: S_j = Σ_r G_r|R_j, summed in rank order (the allgather path's order);
+                K_j = the k_j = max(1, ⌈ρ·|R_j|⌉) largest |S_j| (exact top-k over S_j's non-zero
+                entries; of equal magnitudes the lowest positions first, so every backend keeps
+                the same; only rank j selects, so no rank has to agree with another);
+                D_j = S_j − S_j|K_j, what rank j drops
+    4. share    (allgather) rank j sends (K_j, S_j[K_j]) with absolute positions; every rank
+                decodes the N payloads in rank order, the regions are disjoint, so the update
+                Δ = (1/N)·Σ_j S_j|K_j (Average; Sum: without 1/N) is bit-identical everywhere
+    5. keep     after a finite step, rank j: v_j ← v_j + D_j; every rank r puts back the momentum
+                of what it sent that was not applied: u_r[I_r \\ K] ← u_r,sent (K = ∪_j K_j)
+
+Nothing is lost: Σ_r v_r + Σ_j S_j|K_j after the step equals Σ_r v_r before the selection (what
+was sent is either applied or back in its owner's residual). Momentum factor masking (§3.2)
+masks the momentum of *applied* entries, as in the paper, where every sent entry is applied: an
+entry sent but dropped at its owner keeps its momentum on every sender, and its value waits in
+the owner's residual, where it competes again at the next step like any unsent entry. A
+non-finite step (a rank's flag, or a float16 value beyond range in either phase) makes the
+owner's phase-2 payload flagged, so every rank returns NaN for the tensor as under allgather;
+then every rank puts its own sent entries back into u and v and the owners discard D_j.
+
+Per rank and step: received ≈ (N−1)/N·k entries in the scatter (others' entries in its region)
+plus (N−1)/N·k in the allgather (the other regions' kept entries), ≈ 2k(N−1)/N against
+allgather's (N−1)·k; it decodes N payloads of about k/N entries twice. A consequence of any
+scheme in which every rank must learn the k applied entries that others reduced: from N = 2 to
+N → ∞ the received volume grows from k to 2k, never beyond.
+
+The update differs from allgather DGC's, which applies every rank's selection (up to N·k entries
+per step, the union); the region exchange applies the k largest entries of the *sum*, as the
+global top-k exchanges do (gTop-k, Shi et al. 2019; Ok-Topk, Li & Hoefler, PPoPP 2022). The rest
+stays in a residual. Convergence against allgather DGC: docs/scaling.md.
+"""
+from dgc_horovod.core import wire
+from dgc_horovod.core.sparsify import k_for
+
+__all__ = ["bounds", "split_payload", "reduce_region", "keep_unapplied"]
+
+
+def bounds(numel, world_size):
+    """[(lo, hi)] of the N regions of a tensor of ``numel`` elements: R_j = [⌊j·n/N⌋, ⌊(j+1)·n/N⌋)."""
+    return [(j * numel // world_size, (j + 1) * numel // world_size) for j in range(world_size)]
+
+
+def split_payload(B, payload, numel, world_size, name="<tensor>"):
+    """Step 2: one rank's payload of a tensor (:func:`dgc_horovod.core.wire.encode`) as N
+    payloads, the j-th holding the entries in region j with positions relative to its start
+    (numel = |R_j|), in the same encodings and with the same flags.
+
+    Returns the list of N flat int32 payloads (rank j's is what this rank sends to rank j).
+    Raises WireFormatError for a malformed payload.
+    """
+    idx, vals, flags, index, values, end = wire.read_payload(B, payload, 0, numel, name)
+    if end != B.numel(payload):
+        raise wire.WireFormatError(f"DGC payload of tensor {name!r} has {B.numel(payload) - end}"
+                                   " unexpected trailing words")
+    out = []
+    for lo, hi in bounds(numel, world_size):
+        if idx is None:
+            part_idx, part_vals = B.empty_indices(like=payload), B.zeros(0, like=payload)
+        else:
+            inside = (idx >= lo) & (idx < hi)
+            part_idx, part_vals = B.mask(idx, inside) - lo, B.mask(vals, inside)
+        out.append(wire.encode(B, hi - lo, part_idx, part_vals, flags, index, values))
+    return out
+
+
+def _unique_sorted(B, idx):
+    """The distinct values of an int tensor, ascending."""
+    s = B.sort(idx)
+    c = B.numel(s)
+    if c < 2:
+        return s
+    first = s != B.cat([B.int64_tensor([-1], like=s), B.slice(s, 0, c - 1)])
+    return B.mask(s, first)
+
+
+def reduce_region(B, gathered, numel, region, world_size, density, name="<tensor>",
+                  index="delta16", value_dtype="float32"):
+    """Steps 3 and 4 on the region's owner: sum the N ranks' payloads for its region (what the
+    alltoall brought, in rank order), keep the k_j largest magnitudes of the sum.
+
+    Args:
+        B: backend. gathered: flat int32, the N payloads of :func:`split_payload` for this region,
+            concatenated in rank order. numel (int): elements of the whole tensor.
+        region (tuple): (lo, hi), this rank's region (:func:`bounds`). world_size (int): N.
+        density (float): ρ of the step (the warm-up's). name (str): for error messages.
+        index, value_dtype: the encodings of the payload this returns.
+    Returns:
+        (payload, dropped): the flat int32 payload of (K_j, S_j[K_j]) with absolute positions
+        (numel = the whole tensor; flagged FLAG_NONFINITE and empty when any contribution was
+        non-finite), and (absolute positions, values) of D_j, the non-zero sums not kept, plus,
+        with float16 values, the kept sums' rounding error (None when nothing was dropped or the
+        step is non-finite).
+    Raises:
+        WireFormatError: a malformed payload (names tensor and rank).
+    """
+    lo, hi = region
+    positions = []
+    s, nonfinite = wire.decode_sum(B, gathered, hi - lo, world_size, name, positions)
+    empty = B.empty_indices(like=gathered)
+    if nonfinite:
+        return wire.encode(B, numel, empty, B.zeros(0, like=gathered), wire.FLAG_NONFINITE,
+                           index, value_dtype), None
+    cand = _unique_sorted(B, B.cat(positions)) if positions else empty
+    cand = B.drop_zeros(cand, B.abs(B.take(s, cand)))
+    k = k_for(hi - lo, density) if hi > lo else 0
+    dropped = None
+    if B.numel(cand) > k:
+        mag = B.abs(B.take(s, cand))
+        t = B.kth_largest(mag, k)                   # ties at t: the lowest positions first
+        ties = B.mask(cand, mag == t)
+        keep = B.sort(B.cat([B.mask(cand, mag > t), B.slice(ties, 0, k - B.count_true(mag > t))]))
+        kept_vals = B.take(s, keep)
+        B.fill_at_(s, keep, 0.0)
+        rest = B.drop_zeros(cand, B.abs(B.take(s, cand)))
+        dropped = (rest + lo, B.take(s, rest))
+    else:
+        keep, kept_vals = cand, B.take(s, cand)
+    if value_dtype == "float16":    # the rounding error stays in the residual, as on the sender
+        err = kept_vals - B.to_fp16_and_back(kept_vals)
+        off = err != 0
+        if B.count_true(off):
+            lost = (B.mask(keep, off) + lo, B.mask(err, off))
+            dropped = lost if dropped is None else (B.cat([dropped[0], lost[0]]),
+                                                    B.cat([dropped[1], lost[1]]))
+    return wire.encode(B, numel, keep + lo, kept_vals, 0, index, value_dtype), dropped
+
+
+def keep_unapplied(B, u, v, summed, indices, u_sent, dropped):
+    """Step 5 on one rank after a finite step: its dropped sums back into its residual
+    (v ← v + D_j) and the momentum of what it sent but was not applied put back
+    (u[I \\ K] ← u_sent).
+
+    Args:
+        B: backend. u, v: the tensor's flat state on this rank (u None without momentum).
+        summed: the decoded phase-2 sum before any 1/N (non-zero exactly at K: each kept sum is
+            non-zero and the regions are disjoint). indices, u_sent: this rank's sent positions I
+            and their momentum before masking (None when it sent nothing or did not mask).
+        dropped: (positions, values) of D_j, or None.
+    """
+    if dropped is not None:
+        B.index_add_(v, dropped[0], dropped[1])
+    if u is None or u_sent is None or indices is None or not B.numel(indices):
+        return
+    unapplied = B.take(summed, indices) == 0
+    if B.count_true(unapplied):
+        B.scatter_(u, B.mask(indices, unapplied), B.mask(u_sent, unapplied))
