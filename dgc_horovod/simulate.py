@@ -22,11 +22,15 @@ per worker. So N workers cost N backward passes and N compressions per step, abo
 dense run with an N times larger batch costs. With N = 2 this reproduces a real
 ``horovodrun -np 2`` job bit for bit (tests/test_simulate.py) when the model has no per-rank
 buffers (batch-norm statistics would be per rank there) and both run with one intra-op thread.
-Dense training (``config=None``) averages the raw gradients the same way.
+Dense training (``config=None``) averages the raw gradients the same way. With
+``DGCConfig(exchange="regions")`` step 4 is the region exchange instead
+(:mod:`dgc_horovod.core.regions`): each worker's payloads split by region and framed per
+destination (Horovod's alltoall), each region's owner reduces it, and the owners' payloads are
+concatenated (the allgather) and decoded.
 """
 import torch
 
-from dgc_horovod.core import PLACEHOLDER_BYTES, DGCConfig, DGCCore, wire
+from dgc_horovod.core import PLACEHOLDER_BYTES, DGCConfig, DGCCore, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
 from dgc_horovod.backends.torch_backend import TorchBackend
 
@@ -120,6 +124,7 @@ class SimulatedCluster:
         N, B, avg, cores = self.world_size, self.B, self.average, self.cores
         byname = dict(self.params)
         needs_param = cores[0].needs_param
+        regional = self.config.exchange == "regions"
         # 1-3: every worker compresses, as its adapter would
         segments, contexts, dense = [], [], []
         for core, g in zip(cores, grads):
@@ -140,6 +145,9 @@ class SimulatedCluster:
                     N, avg, scale)
                 payloads = [r[1] for r in results]
                 ctxs.update({n: r[2] for (_, n), r in zip(sparse, results)})
+                if regional:                # the frames are made in _regions_bucket
+                    segs.append([(m, n, pay) for (m, n), pay in zip(sparse, payloads)])
+                    continue
                 segs.append(wire.frame_bucket(B, [(m, pay) for (m, _), pay in
                                                   zip(sparse, payloads)], like=payloads[0]))
                 core.add_wire_bytes(4 * len(sparse) + wire.BUCKET_HEADER_BYTES)
@@ -158,6 +166,12 @@ class SimulatedCluster:
         for b, (members, flags) in enumerate(self.buckets):
             if segments[0][b] is None:
                 continue
+            if regional:
+                results = self._regions_bucket([segments[k][b] for k in range(N)], contexts,
+                                               members)
+                out.update({n: self._weight_decay(n, res, byname[n], wd)
+                            for n, res in results.items()})
+                continue
             gathered = B.cat([segments[k][b] for k in range(N)])
             for k in range(N):
                 cores[k].count_allgather(B.numel(gathered), B.numel(segments[k][b]))
@@ -175,6 +189,54 @@ class SimulatedCluster:
         for n in dense[0]:
             out[n] = self._weight_decay(n, self._dense_reduce([d[n] for d in dense]),
                                         byname[n], wd)
+        return out
+
+    def _regions_bucket(self, payloads, contexts, members):
+        """``exchange="regions"`` for one bucket (:mod:`dgc_horovod.core.regions`): every
+        worker's payloads ([(member index, name, payload)] per worker) split by region and framed
+        per destination (the alltoall), each owner's reduce_region of its region's parts in
+        rank order, the owners' frames concatenated (the allgather), decoded by worker 0 and
+        settled on every worker (its dropped sums, its unapplied momentum). Counts every frame
+        a worker sends and receives. Returns {name: update}."""
+        N, B, avg, cores = self.world_size, self.B, self.average, self.cores
+        M = len(members)
+        numel = {n: cores[0].states[n].numel for _, n, _ in payloads[0]}
+        # phase 1: frames[k][j], what worker k sends to worker j
+        frames = []
+        for k in range(N):
+            parts = [(m, regions.split_payload(B, p, numel[n], N, n)) for m, n, p in payloads[k]]
+            frames.append([wire.frame_bucket(B, [(m, ps[j]) for m, ps in parts],
+                                             like=payloads[k][0][2]) for j in range(N)])
+        reduced, frames2 = [], []
+        for j in range(N):
+            got = wire.split_bucket(B, B.cat([frames[k][j] for k in range(N)]), N, M,
+                                    "dgc.bucket." + members[0])
+            red = {members[m]: cores[j].reduce_region(B.cat(got[m]), members[m],
+                                                      numel[members[m]], j, N)
+                   for m, _, _ in payloads[0]}
+            reduced.append(red)
+            frames2.append(wire.frame_bucket(B, [(m, red[n][0]) for m, n, _ in payloads[0]],
+                                             like=frames[j][j]))
+        words = lambda t: 4 * B.numel(t)  # noqa: E731
+        for k, core in enumerate(cores):
+            counted = sum(words(p) for _, _, p in payloads[k])      # compress counted these
+            sent = sum(words(frames[k][j]) for j in range(N) if j != k) + words(frames2[k])
+            received = sum(words(frames[j][k]) + words(frames2[j]) for j in range(N) if j != k)
+            core.add_wire_bytes(sent - counted, received=received)
+        # phase 2: every worker decodes the same owners' payloads
+        got = wire.split_bucket(B, B.cat(frames2), N, M, "dgc.bucket." + members[0])
+        out = {}
+        for m, n, _ in payloads[0]:
+            gathered = B.cat(got[m])
+            summed, nonfinite = wire.decode_sum(B, gathered, numel[n], N, n)
+            res = cores[0].decompress(gathered, contexts[0][n], N, avg,
+                                      dropped=reduced[0][n][1])
+            for k in range(1, N):
+                if nonfinite:
+                    cores[k].decompress(gathered, contexts[k][n], N, avg)
+                else:
+                    cores[k].keep_unapplied(contexts[k][n], summed, reduced[k][n][1])
+            out[n] = res
         return out
 
     def _weight_decay(self, name, update, param, wd):
