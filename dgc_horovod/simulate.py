@@ -26,7 +26,7 @@ Dense training (``config=None``) averages the raw gradients the same way. With
 ``DGCConfig(exchange="regions")`` step 4 is the region exchange instead
 (:mod:`dgc_horovod.core.regions`): each worker's payloads split by region and framed per
 destination (Horovod's alltoall), each region's owner reduces it, and the owners' payloads are
-concatenated (the allgather) and decoded.
+concatenated (the allgather) and decoded; the frames' bytes are counted, not built.
 """
 import torch
 
@@ -167,8 +167,7 @@ class SimulatedCluster:
             if segments[0][b] is None:
                 continue
             if regional:
-                results = self._regions_bucket([segments[k][b] for k in range(N)], contexts,
-                                               members)
+                results = self._regions_bucket([segments[k][b] for k in range(N)], contexts)
                 out.update({n: self._weight_decay(n, res, byname[n], wd)
                             for n, res in results.items()})
                 continue
@@ -191,49 +190,56 @@ class SimulatedCluster:
                                         byname[n], wd)
         return out
 
-    def _regions_bucket(self, payloads, contexts, members):
+    def _regions_bucket(self, payloads, contexts):
         """``exchange="regions"`` for one bucket (:mod:`dgc_horovod.core.regions`): every
-        worker's payloads ([(member index, name, payload)] per worker) split by region and framed
-        per destination (the alltoall), each owner's reduce_region of its region's parts in
-        rank order, the owners' frames concatenated (the allgather), decoded by worker 0 and
-        settled on every worker (its dropped sums, its unapplied momentum). Counts every frame
-        a worker sends and receives. Returns {name: update}."""
+        worker's payloads ([(member index, name, payload)] per worker) split by region (what
+        the alltoall carries: worker k's part j goes to worker j), each owner's reduce_region of
+        its region's parts in rank order, the owners' payloads decoded by worker 0 (the
+        allgather) and settled on every worker (its dropped sums, its unapplied momentum).
+        The frames themselves are not built (N² of them per bucket); their bytes are counted as
+        the adapter frames them (:func:`~dgc_horovod.core.wire.frame_bucket`: a bucket header,
+        then per part sent one word and its payload; a worker sends no frame to a worker it has
+        no part for, and every owner's frame, empty or not, goes to every worker).
+        Returns {name: update}."""
         N, B, avg, cores = self.world_size, self.B, self.average, self.cores
-        M = len(members)
-        numel = {n: cores[0].states[n].numel for _, n, _ in payloads[0]}
-        # phase 1: frames[k][j], what worker k sends to worker j
-        frames = []
-        for k in range(N):
-            parts = [(m, regions.split_payload(B, p, numel[n], N, n)) for m, n, p in payloads[k]]
-            frames.append([wire.frame_bucket(B, [(m, ps[j]) for m, ps in parts],
-                                             like=payloads[k][0][2]) for j in range(N)])
-        reduced, frames2 = [], []
+        members = payloads[0]
+        numel = {n: cores[0].states[n].numel for _, n, _ in members}
+        parts = [{n: regions.split_payload(B, p, numel[n], N, n) for _, n, p in payloads[k]}
+                 for k in range(N)]
+        nothing = B.int32_tensor([], like=members[0][2])
+
+        def cat(ps):        # the payloads that were sent, in rank order, and how many
+            ps = [p for p in ps if p is not None]
+            return (B.cat(ps) if ps else nothing), len(ps)
+        reduced = []
         for j in range(N):
-            got = wire.split_bucket(B, B.cat([frames[k][j] for k in range(N)]), N, M,
-                                    "dgc.bucket." + members[0])
-            red = {members[m]: cores[j].reduce_region(B.cat(got[m]), members[m],
-                                                      numel[members[m]], j, N)
-                   for m, _, _ in payloads[0]}
+            red = {}
+            for _, n, _ in members:
+                gathered, count = cat(parts[k][n][j] for k in range(N))
+                red[n] = cores[j].reduce_region(gathered, n, numel[n], j, N, count)
             reduced.append(red)
-            frames2.append(wire.frame_bucket(B, [(m, red[n][0]) for m, n, _ in payloads[0]],
-                                             like=frames[j][j]))
-        words = lambda t: 4 * B.numel(t)  # noqa: E731
+
+        def frame(ps):      # a frame's bytes: header, then a word and the payload per part
+            ps = [p for p in ps if p is not None]
+            return wire.BUCKET_HEADER_BYTES + sum(4 + 4 * B.numel(p) for p in ps) if ps else 0
+        to = [[frame(parts[k][n][j] for _, n, _ in members) for j in range(N)]
+              for k in range(N)]
+        owner = [frame(reduced[j][n][0] for _, n, _ in members) or wire.BUCKET_HEADER_BYTES
+                 for j in range(N)]
         for k, core in enumerate(cores):
-            counted = sum(words(p) for _, _, p in payloads[k])      # compress counted these
-            sent = sum(words(frames[k][j]) for j in range(N) if j != k) + words(frames2[k])
-            received = sum(words(frames[j][k]) + words(frames2[j]) for j in range(N) if j != k)
+            counted = sum(4 * B.numel(p) for _, _, p in payloads[k])   # compress counted these
+            sent = sum(to[k][j] for j in range(N) if j != k) + owner[k]
+            received = sum(to[j][k] + owner[j] for j in range(N) if j != k)
             core.add_wire_bytes(sent - counted, received=received)
-        # phase 2: every worker decodes the same owners' payloads
-        got = wire.split_bucket(B, B.cat(frames2), N, M, "dgc.bucket." + members[0])
         out = {}
-        for m, n, _ in payloads[0]:
-            gathered = B.cat(got[m])
-            summed, nonfinite = wire.decode_sum(B, gathered, numel[n], N, n)
-            res = cores[0].decompress(gathered, contexts[0][n], N, avg,
+        for _, n, _ in members:
+            gathered, count = cat(reduced[j][n][0] for j in range(N))
+            summed, nonfinite = wire.decode_sum(B, gathered, numel[n], count, n)
+            res = cores[0].decompress(gathered, contexts[0][n], N, avg, count,
                                       dropped=reduced[0][n][1])
             for k in range(1, N):
                 if nonfinite:
-                    cores[k].decompress(gathered, contexts[k][n], N, avg)
+                    cores[k].decompress(gathered, contexts[k][n], N, avg, count)
                 else:
                     cores[k].keep_unapplied(contexts[k][n], summed, reduced[k][n][1])
             out[n] = res

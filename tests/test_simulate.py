@@ -190,10 +190,14 @@ def test_region_exchange_is_the_cores_exchange(one_thread, bucket_numel):
                 _, payload, ctx = core.compress(n, g[n], N)
                 ctxs.append(ctx)
                 parts.append(regions.split_payload(B, payload, g[n].numel(), N, n))
-            red = [cores[j].reduce_region(B.cat([parts[k][j] for k in range(N)]), n,
-                                          g[n].numel(), j, N) for j in range(N)]
-            gathered = B.cat([p for p, _ in red])
-            outs = [core.decompress(gathered, ctx, N, dropped=d)
+            red = []
+            for j in range(N):
+                ps = [parts[k][j] for k in range(N) if parts[k][j] is not None]
+                gathered = B.cat(ps) if ps else torch.zeros(0, dtype=torch.int32)
+                red.append(cores[j].reduce_region(gathered, n, g[n].numel(), j, N, len(ps)))
+            ps = [p for p, _ in red if p is not None]
+            gathered = B.cat(ps) if ps else torch.zeros(0, dtype=torch.int32)
+            outs = [core.decompress(gathered, ctx, N, True, len(ps), dropped=d)
                     for core, ctx, (_, d) in zip(cores, ctxs, red)]
             assert torch.equal(outs[0].view_as(params[n]),
                                dict(model.named_parameters())[n].grad), n

@@ -817,14 +817,16 @@ class DGCCore:
         with self._lock:
             self._stats.count_allgather(output_words, input_words)
 
-    def reduce_region(self, gathered, name, numel, rank, world_size):
+    def reduce_region(self, gathered, name, numel, rank, world_size, count=None):
         """``exchange="regions"``, steps 3-4 of :mod:`dgc_horovod.core.regions` on the owner of
-        region ``rank`` of tensor ``name``: (the payload to allgather, the dropped sums to hand
-        to :meth:`decompress`). ``gathered``: the N ranks' payloads for the region (alltoall),
-        in rank order."""
+        region ``rank`` of tensor ``name``: (the payload to allgather or None, the dropped sums
+        to hand to :meth:`decompress`). ``gathered``: the ``count`` (default N) payloads the
+        ranks sent for the region (alltoall), in rank order."""
         c = self.config
-        return regions.reduce_region(self.B, gathered, numel, regions.bounds(numel, world_size)[rank],
-                                     world_size, self.density, name, c.wire_index, c.wire_values)
+        region = regions.bounds(numel, world_size)[rank]
+        return regions.reduce_region(self.B, gathered, numel, region,
+                                     world_size if count is None else count, self.density, name,
+                                     c.wire_index, c.wire_values)
 
     def keep_unapplied(self, ctx, summed, dropped):
         """``exchange="regions"``, after a finite step (step 5 of :mod:`dgc_horovod.core.regions`):
