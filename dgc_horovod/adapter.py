@@ -238,7 +238,8 @@ class DGCAdapter:
 
         A plain dict (see :meth:`dgc_horovod.core.DGCCore.state_dict`): config, warm-up epoch,
         every tensor's velocity u, residual v and sparse flag keyed by its name, the
-        threshold-sampling generator state, the cumulative statistics, and the world size and
+        threshold-sampling generator state, the cumulative statistics, the loss scale the
+        residuals are in (``loss_scale``; PyTorch's ``loss_scaler``), and the world size and
         rank of ``process_set`` (default: the global one). Copies, safe to keep. Call it between
         steps. PyTorch: ``torch.load(..., weights_only=True)`` can read it back; a RuntimeError
         in the middle of a step (between ``loss.backward()`` and ``optimizer.step()``).
