@@ -94,6 +94,7 @@ class DGC(DGCAdapter, Compressor):
     """
 
     _hvd = hvd
+    _own_kwargs = ("loss_scaler",)
 
     def __init__(self, config=None, loss_scaler=None, **kwargs):
         if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
