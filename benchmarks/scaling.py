@@ -44,11 +44,12 @@ def settings(task):
     return s
 
 
-def plan(tasks, sizes, seeds, steps=None):
+def plan(tasks, sizes, seeds, steps=None, variants=VARIANTS, compress_ratio=None):
     steps = {**STEPS, **(steps or {})}
+    extra = {} if compress_ratio is None else {"compress_ratio": compress_ratio}
     return [dict(task=t, world_size=N, variant=v, seed=sd, steps=steps[t], mode="full",
-                 settings=settings(t))
-            for sd in seeds for t in tasks for N in sizes for v in VARIANTS]
+                 settings=settings(t), **extra)
+            for sd in seeds for t in tasks for N in sizes for v in variants]
 
 
 def read_runs(out_dir):
@@ -65,8 +66,8 @@ def convergence(args):
     if not args.resume and os.path.exists(os.path.join(args.out_dir, "runs.jsonl")):
         os.remove(os.path.join(args.out_dir, "runs.jsonl"))
     steps = dict((t, int(n)) for t, n in (kv.split("=") for kv in args.steps or []))
-    todo = [j for j in plan(args.tasks, args.sizes, args.seeds, steps)
-            if C.run_key(j) not in done]
+    todo = [j for j in plan(args.tasks, args.sizes, args.seeds, steps, args.variants,
+                            args.compress_ratio) if C.run_key(j) not in done]
     C.log(f"[scaling] {len(todo)} runs, {args.jobs} at a time, out-dir {args.out_dir}")
     t0 = time.time()
 
@@ -160,8 +161,8 @@ def predicted(ts, N, rho=DENSITY):
     each other rank the non-empty parts of its region (an entry lands in a region with
     probability 1/N, so a tensor of k entries has 1 − (1 − 1/N)^k non-empty parts per region),
     then from each other owner its kept ⌈ρ·n/N⌉ entries of every tensor (at most k); it sums
-    its region (zeroes n/N elements, decodes ≈ k entries, selects among ≈ k candidates) and
-    decodes every owner's kept entries. dense: ring allreduce, 2(N − 1)/N × the model.
+    its region into a kept scratch (decodes ≈ k entries, selects among ≈ k candidates) and
+    decodes every owner's kept entries into the output (zeroes n elements). dense: ring allreduce, 2(N − 1)/N × the model.
     """
     out = {"allgather": 0.0, "regions": 0.0, "dense": 2 * (N - 1) / N * 4 * sum(
         n for _, n, _ in ts)}
@@ -182,15 +183,15 @@ def predicted(ts, N, rho=DENSITY):
                                          + shares * PAYLOAD + ENTRY * kept)
             work["allgather"] = [w + a for w, a in zip(work["allgather"], (n, N * k, N, 0))]
             work["regions"] = [w + a for w, a in zip(work["regions"], (
-                n + n / N, k + N * shares * kept, N * parts + N * shares, k))]
+                n, k + N * shares * kept, N * parts + N * shares, k))]
     return out, work
 
 
 def decode_costs(repeats=7):
     """Seconds per unit of decode work on this machine (torch backend, 1 thread), medians of
-    ``repeats``: (per output element zeroed, the larger of zero_ on a kept buffer and a new
-    zeroed tensor; per entry decoded; per payload parsed; per candidate selected by
-    reduce_region, beyond decoding into a new tensor: unique, top-k, gathers, encode)."""
+    ``repeats``: (per output element zeroed; per entry decoded; per payload parsed; per
+    candidate selected by reduce_region into its kept scratch, beyond decoding: unique,
+    top-k, gathers, encode, clearing the scratch)."""
     import statistics
     import numpy as np
     import torch
@@ -218,11 +219,12 @@ def decode_costs(repeats=7):
     zero = med(lambda: B.zero_(out))
     decode = med(lambda: wire.decode_sum(B, full, n, 1, "t", [], out))
     header = med(lambda: [wire.read_payload(B, empty, 0, n, "t") for _ in range(100)]) / 100
-    fresh = med(lambda: wire.decode_sum(B, full, n, 1, "t", []))      # into a new tensor
-    reduce = med(lambda: regions.reduce_region(B, parts[0], n, (0, n), 1, k / n / 2, "t"))
+    scratch = torch.zeros(n)                # what DGCCore keeps per tensor for its region
+    reduce = med(lambda: regions.reduce_region(B, parts[0], n, (0, n), 1, k / n / 2, "t",
+                                               scratch=scratch))
     per_entry = max(decode - zero, 0.0) / k
-    per_select = max(reduce - fresh, 0.0) / k
-    return max(zero, fresh - decode + zero) / n, per_entry, header, per_select
+    per_select = max(reduce - (decode - zero), 0.0) / k
+    return zero / n, per_entry, header, per_select
 
 
 def decode_seconds(work, costs):
@@ -359,6 +361,9 @@ def main(argv=None):
     c.add_argument("--jobs", type=int, default=1)
     c.add_argument("--out-dir", default=DEFAULT_OUT)
     c.add_argument("--resume", action="store_true", help="skip the runs already in runs.jsonl")
+    c.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    c.add_argument("--compress-ratio", type=float, default=None,
+                   help="DGC's density instead of the study's 0.001")
     c.add_argument("--steps", nargs="+", metavar="TASK=STEPS",
                    help="run lengths other than the study's ablation lengths, e.g. mnist=520")
     r = sub.add_parser("report", help="print the convergence table of <out-dir>")

@@ -196,6 +196,7 @@ class DGCCore:
         self.epoch = 0.0
         self._generator = backend.generator(config.seed)
         self._lock = threading.Lock()
+        self._region_sums = {}      # exchange="regions": name -> zeros of this rank's region
         self._stats = StatsRecorder()
         self.use_kernels = kernels.available() and backend.kernel_fma() is not None
         self._steps = 0         # optimizer steps begun (the warm-up position counts them)
@@ -914,10 +915,13 @@ class DGCCore:
         to hand to :meth:`decompress`). ``gathered``: the ``count`` (default N) payloads the
         ranks sent for the region (alltoall), in rank order."""
         c = self.config
-        region = regions.bounds(numel, world_size)[rank]
-        return regions.reduce_region(self.B, gathered, numel, region,
+        lo, hi = regions.bounds(numel, world_size)[rank]
+        scratch = self._region_sums.get(name)
+        if scratch is None or self.B.numel(scratch) != hi - lo:     # kept zero between calls
+            scratch = self._region_sums[name] = self.B.zeros(hi - lo, like=gathered)
+        return regions.reduce_region(self.B, gathered, numel, (lo, hi),
                                      world_size if count is None else count, self.density, name,
-                                     c.wire_index, c.wire_values)
+                                     c.wire_index, c.wire_values, scratch)
 
     def keep_unapplied(self, ctx, summed, dropped):
         """``exchange="regions"``, after a finite step (step 5 of :mod:`dgc_horovod.core.regions`):
