@@ -7,9 +7,13 @@
    top-k (torch.topk) alone. DGC is timed three ways: per bucket (DGCCore.compress_many on the
    buckets the PyTorch adapter makes with the default bucket_numel = 2**22: what training runs),
    one DGCCore.compress per tensor on the fused C kernels (the adapter with bucket_numel=0), and
-   on the tensor-op path (DGCCore.use_kernels = False: CUDA tensors, TensorFlow). Prints the
-   ratios, once with 1 torch thread and once with torch's default thread count (the kernels use
-   as many threads as torch's intra-op pool).
+   on the tensor-op path (DGCCore.use_kernels = False: CUDA tensors, TensorFlow), one compress()
+   per tensor (what compress_many ran on tensor ops before dgc_horovod.core.bucket_ops) and per
+   bucket (compress_many: bucket_ops). Prints the ratios, once with 1 torch thread and once with
+   torch's default thread count (the kernels use as many threads as torch's intra-op pool); and
+   the calls per bucket of the tensor-op path, both ways: calls of the Backend's methods (but
+   the metadata reads numel / ndim / is_floating) and of torch functions and tensor methods
+   (counted by a TorchFunctionMode: what launches kernels on a GPU).
 2. Selection quality: the L1 mass captured by the sampled selection (DGCCore.compress, fused path)
    against the exact top-k of the same count, on Gaussian, Laplace, Student-t (3 dof) and
    tie-heavy gradients.
@@ -19,7 +23,8 @@
    rounds as in 1; for buckets of several tensors, how much of a call is spent in the C kernels
    and how much per tensor outside them.
 
-    python benchmarks/compress_cost.py [--repeats 9] [--max-elements 1e8]
+    python benchmarks/compress_cost.py [--repeats 9] [--max-elements 1e8] [--min-sparse-ndim 1]
+                                       [--parts calls,resnet,recall,scaling]
 """
 import argparse
 import math
@@ -35,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import resnet50  # noqa: E402
 
 from dgc_horovod.core import DGCConfig, DGCCore  # noqa: E402
+from dgc_horovod.core.buckets import plan_buckets  # noqa: E402
 from dgc_horovod.core.sparsify import k_for  # noqa: E402
 from dgc_horovod.backends.torch_backend import TorchBackend  # noqa: E402
 
@@ -69,35 +75,37 @@ def interleaved(fns, repeats):
     return medians, ratios
 
 
-def adapter_buckets(entries, bucket_numel=2 ** 22):
-    """The PyTorch adapter's bucket plan (dgc_horovod/torch/exchange.py): the parameters in
-    reverse registration order, cut into consecutive groups of about bucket_numel elements."""
-    buckets, current, size = [], [], 0
-    for entry in entries[::-1]:
-        current.append(entry)
-        size += entry[1].numel()
-        if size >= bucket_numel:
-            buckets.append(current)
-            current, size = [], 0
-    return buckets + ([current] if current else [])
+def adapter_buckets(entries, config, bucket_numel=2 ** 22):
+    """The PyTorch adapter's buckets (dgc_horovod/torch/exchange.py, core.buckets.plan_buckets):
+    the parameters in reverse registration order, cut into consecutive groups of about
+    bucket_numel elements; a bucket's compress_many gets its sparsified tensors, the others are
+    compressed one by one (dense allreduce). Returns (buckets, dense entries)."""
+    by_name = {e[0]: e for e in entries}
+    buckets, dense = [], []
+    for members, sparse in plan_buckets([(n, g.numel(), g.dim()) for n, g, _ in entries[::-1]],
+                                        bucket_numel, config):
+        buckets.append([by_name[n] for n, s in zip(members, sparse) if s])
+        dense += [by_name[n] for n, s in zip(members, sparse) if not s]
+    return [b for b in buckets if b], dense
 
 
-def resnet_cost(repeats, density, threads):
+def resnet_cost(repeats, density, threads, min_sparse_ndim=1):
     torch.set_num_threads(threads)
     shapes = resnet50()
-    grads = [torch.randn(math.prod(s)) for _, s in shapes]
-    other = [torch.randn(g.numel()) for g in grads]
-    buckets = adapter_buckets([(name, g, None) for (name, _), g in zip(shapes, grads)])
+    grads = [torch.randn(s) for _, s in shapes]
+    other = [torch.randn(g.shape) for g in grads]
+    batched, single, ops, ops_many = (new_core(density, True, None, min_sparse_ndim),
+                                      new_core(density, True, None, min_sparse_ndim),
+                                      new_core(density, False, None, min_sparse_ndim),
+                                      new_core(density, False, None, min_sparse_ndim))
+    buckets, dense = adapter_buckets([(name, g, None) for (name, _), g in zip(shapes, grads)],
+                                     batched.config)
 
-    def new_core(use_kernels=True):
-        core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
-        core.use_kernels = use_kernels and core.use_kernels
-        return core
-    batched, single, ops = new_core(), new_core(), new_core(False)
-
-    def compress_buckets():
+    def compress_buckets(core=batched):
         for bucket in buckets:
-            batched.compress_many(bucket, world_size=8)
+            core.compress_many(bucket, world_size=8)
+        for name, g, _ in dense:
+            core.compress(name, g, world_size=8)
 
     def compress_all(core):
         for (name, _), g in zip(shapes, grads):
@@ -109,14 +117,16 @@ def resnet_cost(repeats, density, threads):
 
     def exact_topk():
         for g in grads:
-            torch.topk(g.abs(), k_for(g.numel(), density), sorted=False)
+            torch.topk(g.abs().reshape(-1), k_for(g.numel(), density), sorted=False)
 
-    (t_pass, t_bucket, t_single, t_ops, t_topk), (_, r_bucket, r_single, r_ops, r_topk) = \
-        interleaved([add_pass, compress_buckets, lambda: compress_all(single),
-                     lambda: compress_all(ops), exact_topk], repeats)
+    (t_pass, t_bucket, t_single, t_ops, t_ops_many, t_topk), \
+        (_, r_bucket, r_single, r_ops, r_ops_many, r_topk) = interleaved(
+            [add_pass, compress_buckets, lambda: compress_all(single), lambda: compress_all(ops),
+             lambda: compress_buckets(ops_many), exact_topk], repeats)
     n = sum(g.numel() for g in grads)
     fused = "fused C kernels" if single.use_kernels else "KERNELS NOT BUILT: tensor ops"
     print(f"ResNet-50 gradients: {len(grads)} tensors, {n:,} elements, density {density}, "
+          f"{sum(map(len, buckets))} sparsified (min_sparse_ndim={min_sparse_ndim}), "
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
     print("  (median of the times; ratio: median over the rounds of each round's time / that round's"
           " memory pass)")
@@ -126,9 +136,93 @@ def resnet_cost(repeats, density, threads):
     print(f"  DGC one compress() per tensor    {1e3 * t_single:8.1f} ms   {r_single:5.2f}x"
           f"   ({fused}; the adapter with bucket_numel=0)")
     print(f"  ... the same on tensor ops       {1e3 * t_ops:8.1f} ms   {r_ops:5.2f}x"
-          "   (DGCCore.use_kernels = False: CUDA, TensorFlow)")
+          "   (DGCCore.use_kernels = False: CUDA, TensorFlow; before bucket_ops)")
+    print(f"  tensor ops per bucket            {1e3 * t_ops_many:8.1f} ms   {r_ops_many:5.2f}x"
+          "   (compress_many, use_kernels = False: bucket_ops)")
     print(f"  exact top-k per tensor (topk)    {1e3 * t_topk:8.1f} ms   {r_topk:5.2f}x")
     return r_bucket
+
+
+def new_core(density, use_kernels=True, backend=None, min_sparse_ndim=1):
+    core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0,
+                             min_sparse_ndim=min_sparse_ndim),
+                   TorchBackend() if backend is None else backend)
+    core.use_kernels = use_kernels and core.use_kernels
+    return core
+
+
+class CountingBackend:
+    """Stands in for a Backend and counts the calls of its methods, but the metadata reads
+    (numel, ndim, is_floating: the per-entry argument checks)."""
+
+    METADATA = ("numel", "ndim", "is_floating")
+
+    def __init__(self, B):
+        self.B, self.calls = B, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.B, name)
+        if not callable(attr) or name in self.METADATA:
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return attr(*args, **kwargs)
+        return counted
+
+
+class TorchCalls(torch.overrides.TorchFunctionMode):
+    """Counts the torch functions and tensor methods called (those inside another's handler
+    are not dispatched to the mode again: each call counts once): ``calls`` all of them,
+    ``ops`` those that are not a metadata read or a view (attributes such as dtype, numel(),
+    is_floating_point(), detach(), reshape() / view() of a contiguous tensor, expand(),
+    unbind()), i.e. those that may launch a kernel or copy between host and device."""
+
+    METADATA = {"__get__", "numel", "dim", "is_floating_point", "detach", "reshape", "view",
+                "contiguous", "expand", "unbind"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = self.ops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        self.ops += getattr(func, "__name__", "") not in self.METADATA
+        return func(*args, **(kwargs or {}))
+
+
+def calls_per_bucket(density, min_sparse_ndim=1, steps=3):
+    """Backend and torch calls of the tensor-op path per bucket of ResNet-50's gradients (its
+    sparsified tensors), one compress() per tensor (before) and compress_many (bucket_ops), in
+    the last of ``steps`` steps (the first builds the state). Returns {path: (backend calls,
+    torch calls)} per bucket."""
+    shapes = resnet50()
+    grads = [torch.randn(s) for _, s in shapes]
+    out = {}
+    for path in ("per tensor", "per bucket"):
+        B = CountingBackend(TorchBackend())
+        core = new_core(density, False, B, min_sparse_ndim)
+        buckets, _ = adapter_buckets([(name, g, None) for (name, _), g in zip(shapes, grads)],
+                                     core.config)
+        for _ in range(steps):
+            B.calls, mode = 0, TorchCalls()
+            with mode:
+                for bucket in buckets:
+                    if path == "per bucket":
+                        core.compress_many(bucket, world_size=8)
+                    else:
+                        for name, g, p in bucket:
+                            core.compress(name, g, world_size=8, param=p)
+        out[path] = (B.calls / len(buckets), mode.calls / len(buckets),
+                     mode.ops / len(buckets))
+    print(f"Calls per bucket on tensor ops (ResNet-50: {len(buckets)} buckets of "
+          f"{sum(map(len, buckets))} sparsified tensors, min_sparse_ndim={min_sparse_ndim}, "
+          f"density {density}; one step after {steps - 1}; Backend calls without the metadata "
+          "reads, and torch calls)")
+    for path, (b, t, o) in out.items():
+        print(f"  {path:>10}: {b:7.1f} Backend calls, {t:7.1f} torch calls ({o:.1f} of them not "
+              "metadata or views) per bucket")
+    return out
 
 
 def make_dist(kind, n, rng):
@@ -255,16 +349,28 @@ def main():
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--density", type=float, default=0.001)
     ap.add_argument("--max-elements", type=float, default=1e8)
+    ap.add_argument("--min-sparse-ndim", type=int, default=1,
+                    help="ResNet-50 rows: 1 (default) sparsifies every tensor, as the earlier "
+                         "numbers of docs/performance.md; 2, DGCConfig's default, leaves the "
+                         "1-D tensors dense (outside the buckets)")
+    ap.add_argument("--parts", default="calls,resnet,recall,scaling",
+                    help="which parts to run, comma-separated (default: all)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     torch.manual_seed(0)
     default_threads = torch.get_num_threads()
     print(f"{os.cpu_count()} CPUs; load average before: "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    for threads in sorted({1, default_threads}):
-        resnet_cost(args.repeats, args.density, threads)
+    if "calls" in parts:
+        calls_per_bucket(args.density, args.min_sparse_ndim)
+    if "resnet" in parts:
+        for threads in sorted({1, default_threads}):
+            resnet_cost(args.repeats, args.density, threads, args.min_sparse_ndim)
     torch.set_num_threads(default_threads)
-    recall(density=args.density)
-    scaling(args.repeats, args.max_elements, args.density)
+    if "recall" in parts:
+        recall(density=args.density)
+    if "scaling" in parts:
+        scaling(args.repeats, args.max_elements, args.density)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ def same_gen(core_a, core_b):
     if hasattr(a, "detach"):                              # torch.Tensor
         import torch
         return torch.equal(a, b)
+    if hasattr(a, "numpy"):                               # tf.Tensor
+        return np.array_equal(a.numpy(), b.numpy())
     return a == b
 
 

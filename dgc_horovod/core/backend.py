@@ -117,6 +117,41 @@ class Backend:
             out.append(self.slice(x, a, a + n))
             a += n
         return out
+    # --- buckets on tensor ops (dgc_horovod.core.bucket_ops): O(1) calls per bucket
+    def flat_cat(self, xs, block=1, reuse=False):        # float32 1-D concatenation of the
+        zeros = self.zeros(block - 1, like=xs[0]) if block > 1 else None  # tensors xs (any
+        parts = []                                       # shape, floating), each followed by
+        for x in xs:                                     # zeros up to a multiple of block;
+            parts.append(self.float32_view(x))           # reuse: may live in a buffer that
+                                                         # the next such call overwrites
+            if -self.numel(x) % block:
+                parts.append(self.slice(zeros, 0, -self.numel(x) % block))
+        return self.cat(parts)
+    def flat_views(self, flat, offsets, sizes):          # views of flat (float32 state): sizes[j]
+        return [self.slice(flat, a, a + n)               # elements from offsets[j], that alias
+                for a, n in zip(offsets, sizes)]         # it (in-place updates of one show in
+                                                         # the other), or None when the backend
+                                                         # has no such views
+    def block_max_abs(self, x, block): raise NotImplementedError  # float32 (numel(x)/block,):
+                                                         # max |x| of each block of x, NaN for a
+                                                         # block holding a NaN
+    def take_blocks(self, x, blocks, block): raise NotImplementedError  # the blocks (int64
+                                                         # indices) of block elements of x, one
+                                                         # after the other (flat)
+    def copy_(self, x, y): raise NotImplementedError     # x[:] = y (same numel)
+    def arange(self, n, like): raise NotImplementedError  # int64 0 .. n-1
+    def to_int64(self, x): raise NotImplementedError     # integer tensor -> int64
+    def repeat(self, x, counts): raise NotImplementedError  # x[j] repeated counts[j] times (a
+                                                         # short list of ints), in order
+    def repeat_each(self, x, n): raise NotImplementedError  # every x[j] repeated n times
+    def searchsorted(self, a, x): raise NotImplementedError  # int64: for each x, the number of
+                                                         # entries of the ascending int64 a < x
+    def sample_uniform_many(self, counts, generator, like):  # float64: the uniforms of one
+        return self.sample_uniform(sum(counts), generator)  # sample() per count, in order
+    def sample_positions_many(self, u, sizes, counts, offsets, like):  # int64: offsets[j] +
+        raise NotImplementedError                        # sparsify.sample_positions of u's
+                                                         # counts[j] draws for a tensor of
+                                                         # sizes[j] elements
 
 
 class NumpyBackend(Backend):
@@ -259,4 +294,22 @@ class NumpyBackend(Backend):
         return generator.random(s)
     def empty(self, n, dtype, like=None): return np.empty(n, dtype=self._DTYPES[dtype])
     def copy(self, x): return x.copy()
+
+    def copy_(self, x, y):
+        x[...] = y
+
+    def block_max_abs(self, x, block):
+        x = x.reshape(-1, block)
+        return np.maximum(x.max(axis=1), -x.min(axis=1))    # NaN propagates
+
+    def take_blocks(self, x, blocks, block): return x.reshape(-1, block)[blocks].reshape(-1)
+    def arange(self, n, like=None): return np.arange(n, dtype=np.int64)
+    def to_int64(self, x): return x.astype(np.int64)
+    def repeat(self, x, counts): return np.repeat(x, counts)
+    def repeat_each(self, x, n): return np.repeat(x, n)
+    def searchsorted(self, a, x): return np.searchsorted(a, x, side="left").astype(np.int64)
+
+    def sample_positions_many(self, u, sizes, counts, offsets, like=None):
+        n = np.repeat(np.asarray(sizes, dtype=np.int64), counts)
+        return sample_positions(u, n) + np.repeat(np.asarray(offsets, dtype=np.int64), counts)
 

@@ -30,7 +30,9 @@ the selection and encoding on the few candidates) instead of ~40 tensor ops; CUD
 TensorFlow, or ``DGCCore.use_kernels = False`` use the tensor ops of :mod:`accumulate`,
 :mod:`sparsify` and :mod:`wire`. Both paths give bit-identical results. :meth:`DGCCore.compress_many`
 compresses a bucket of tensors in one batch-kernel call (same results as one compress per tensor,
-with far less per-tensor overhead, spread over threads).
+with far less per-tensor overhead, spread over threads), or, on tensor ops, with
+:mod:`bucket_ops`: the same steps over the bucket's flat u and v (each tensor's u and v are views
+of one buffer each), O(1) backend calls per bucket instead of dozens per tensor, same results.
 
 Tensors that are not sparsified (:func:`~dgc_horovod.core.sparsify.is_sparse`: by default
 those with fewer than 2 dimensions, biases and normalisation scales, as in the reference code)
@@ -43,7 +45,8 @@ NaN gradient itself); every rank then returns NaN for that tensor — as a dense
 and the ranks that had sent entries put them back into their residual, so nothing is lost. A
 loss-scaling skip (torch.amp GradScaler) therefore skips the step on every rank alike. (The
 fused path checks every element exactly; the tensor-op path of the torch backend checks the
-float32 sum, so it also counts finite gradients whose sum overflows as non-finite.) A sparsified
+float32 sum, so it also counts finite gradients whose sum overflows as non-finite; in a bucket
+it checks the bucket's sum first, and each tensor's sum only when that one is not finite.) A sparsified
 tensor's sample draws (s uniforms, see sparsify.sample_count) are drawn, and dropped, in a
 non-finite step too, so the random stream depends only on which tensors are compressed: one
 compress_many call draws a bucket's samples at once, before it knows which gradients are finite.
@@ -110,7 +113,7 @@ from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
 from dgc_horovod.core.stats import PLACEHOLDER_BYTES, StatsRecorder
 from dgc_horovod.core.warmup import density_at, density_at_step
-from dgc_horovod.core import checkpoint, kernels, regions, wire
+from dgc_horovod.core import bucket_ops, checkpoint, kernels, regions, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
@@ -173,6 +176,21 @@ class _BatchContext(SparseContext):
     u_sent = property(lambda self: self._get(2))
 
 
+class _Selected:
+    """What the contexts of one bucket_ops call view (see _BatchContext): the positions sent
+    (local to each tensor), their values and velocities, segment after segment."""
+
+    __slots__ = ("B", "local", "vals", "usent")
+
+    def __init__(self, B, local, vals, usent):
+        self.B, self.local, self.vals, self.usent = B, local, vals, usent
+
+    def views(self, start, count, masked):
+        B, end = self.B, start + count
+        return (B.slice(self.local, start, end), B.slice(self.vals, start, end),
+                B.slice(self.usent, start, end) if masked else None)
+
+
 class DGCCore:
     """Per-worker DGC: owns the config, the warm-up position, every tensor's state and the stats.
 
@@ -206,6 +224,7 @@ class DGCCore:
         # the loss scale the state is in (set_loss_scale); None: unknown (a version-2
         # checkpoint), the next set_loss_scale adopts its scale without rescaling
         self._loss_scale = 1.0
+        self._flats = {}        # names of a bucket's sparsified tensors -> bucket_ops.FlatState
 
     # the statistics, counted by the core's StatsRecorder
     step_stats = property(lambda self: self._stats.step, doc=(
@@ -341,6 +360,7 @@ class DGCCore:
         with self._lock:
             checkpoint.restore_generator(self.B, self._generator, state_dict["generator"])
             self.states = {name: TensorState(name, *t) for name, t in tensors.items()}
+            self._flats = {}
             self.epoch = epoch
             self._steps = steps
             self._stats = stats
@@ -606,7 +626,11 @@ class DGCCore:
         entries]``, but on the fused path one kernel call does every sparsified tensor's
         finiteness check and one more does the accumulation, selection and encoding, spread over
         the backend's threads (:class:`kernels.Batch`). Tensors the fused path does not cover
-        (dense, CUDA, float16 wire values, non-finite, ...) run as in :meth:`compress`.
+        (dense, CUDA, float16 wire values, non-finite, ...) run as in :meth:`compress`. On
+        tensor ops (``use_kernels = False``, CUDA tensors, TensorFlow) the sparsified tensors of
+        a bucket with the default wire format (delta16 indices, float32 values) run as one
+        bucket (:mod:`~dgc_horovod.core.bucket_ops`: O(1) backend calls whatever the number of
+        tensors); other wire formats run one :meth:`compress` per tensor.
 
         Args:
             entries: sequence of (name, grad, param) tuples (param None unless weight_decay > 0);
@@ -630,11 +654,18 @@ class DGCCore:
         self._check_scale(clip_scale)
         for name, _, _ in entries:
             self._fit.check_name(name)
+        bucket = (len(entries) > 1 and self.config.wire_index == "delta16"
+                  and self.config.wire_values == "float32")
         if not self.use_kernels or len(entries) < 2:
             for name, grad, param in entries:
                 self.check_entry(name, grad, param)
-            return [self.compress(name, grad, world_size, param, average, clip_scale)
-                    for name, grad, param in entries]
+            if not bucket:
+                return [self.compress(name, grad, world_size, param, average, clip_scale)
+                        for name, grad, param in entries]
+            t0 = time.perf_counter()
+            with self._lock:
+                self._begin(entries[0][0])
+                return self._compress_ops(entries, world_size, average, clip_scale, t0)
         B, c = self.B, self.config
         t0 = time.perf_counter()
         clip = (average, clip_scale)
@@ -675,11 +706,96 @@ class DGCCore:
                     fused[i] = (st, plan, g, gp)
             if others:
                 fused = dict(sorted(fused.items()))      # in entry order
+            if not fused and bucket:                     # e.g. CUDA tensors: tensor ops
+                return self._compress_ops(entries, world_size, average, clip_scale, t0)
             threads = B.kernel_threads()
             # (the batch kernel checks each gradient for NaN/Inf before it changes its state)
             if len(fused) == len(entries):
                 return self._compress_batch(entries, fused, world_size, clip, threads, t0)
             return self._compress_mixed(entries, fused, world_size, clip, threads, t0)
+
+    def _compress_ops(self, entries, world_size, average, clip_scale, t0):
+        """compress_many on tensor ops, a bucket at a time (:mod:`bucket_ops`: O(1) backend
+        calls for the bucket's sparsified tensors); the dense entries run as in compress. The
+        entries are checked and the lock is held."""
+        n = len(entries)
+        results, rows = [None] * n, [()] * n    # rows: statistics rows per entry
+        sparse = []
+        self._stats.hold()
+        try:
+            for i, (name, grad, param) in enumerate(entries):
+                if self._state(name, grad).sparse:
+                    sparse.append(i)
+                    continue
+                results[i] = self._compress_locked(name, grad, world_size, param,
+                                                   time.perf_counter(), average, clip_scale)
+                rows[i] = self._stats.take()
+            if sparse:
+                self._bucket_ops(entries, sparse, results, rows, world_size, average,
+                                 clip_scale, t0)
+        finally:
+            self._stats.release()
+        self._stats.count_rows([row for entry in rows for row in entry])
+        return results
+
+    def _bucket_ops(self, entries, sparse, results, rows, world_size, average, clip_scale, t0):
+        """The sparsified entries (indices ``sparse``) of _compress_ops: one bucket_ops.compress
+        over their flat state; fills results[i] and rows[i]."""
+        B, c = self.B, self.config
+        sts = [self.states[entries[i][0]] for i in sparse]
+        fs = self._flat_state(sts)
+        fs.load(B, sts)
+        grads, block = [entries[i][1] for i in sparse], bucket_ops.BLOCK
+        if c.clip_norm is not None and c.clip_scope == "tensor":   # a scale per tensor
+            acc = [self._accumulated(B.float32_view(g), entries[i][2], world_size, average)
+                   for g, i in zip(grads, sparse)]
+            g, scales = B.flat_cat([a for a, _ in acc], block), [s for _, s in acc]
+        else:
+            params = (B.flat_cat([entries[i][2] for i in sparse], block) if self.needs_param
+                      else None)
+            g, scale = self._accumulated(B.flat_cat(grads, block, reuse=True), params,
+                                         world_size, average, clip_scale)
+            scales = [scale]
+        segments = [(a, a + n) for a, n in zip(fs.offsets, fs.sizes)]
+        finite = ([True] * len(sts) if B.all_finite(g)
+                  else [B.all_finite(B.slice(g, a, b)) for a, b in segments])
+        if not (all(finite) and len(set(scales)) == 1):   # accumulate segment by segment
+            for st, (a, b), ok, s in zip(sts, segments, finite, scales * len(sts)
+                                         if len(scales) == 1 else scales):
+                if ok:
+                    momentum_correction(B, st.u, st.v, B.slice(g, a, b), c.momentum,
+                                        c.nesterov, s)
+            fs.load(B, sts)
+            g = None
+        density = self.density
+        payloads, words, counts, local, vals, u_sent = bucket_ops.compress(
+            B, c, self._generator, density, fs, g, scales[0], finite)
+        fs.store(B, sts)
+        share = (time.perf_counter() - t0) / sum(fs.sizes)
+        selected = _Selected(B, local, vals, u_sent)
+        masked = u_sent is not None
+        start = 0
+        for i, st, payload, w, cnt in zip(sparse, sts, payloads, words, counts):
+            if payload is None:                             # NaN/Inf: state untouched
+                results[i] = self._nonfinite(st, None, time.perf_counter(), drawn=True)
+                rows[i] = self._stats.take()
+                continue
+            results[i] = ("sparse", payload, _BatchContext(st.name, st.numel, selected, start,
+                                                           cnt, masked))
+            rows[i] = ((st, cnt, 4 * w + PLACEHOLDER_BYTES, False, share * st.numel, density,
+                        (0, 0)),)
+            start += cnt
+
+    def _flat_state(self, sts):
+        """The bucket_ops.FlatState of these tensors (made, and the tensors' state moved into
+        it, when they are new or their state was replaced)."""
+        key = tuple(st.name for st in sts)
+        fs = self._flats.get(key)
+        if fs is None or not fs.holds(sts):
+            fs = bucket_ops.FlatState(self.B, sts)
+            self._flats = {k: f for k, f in self._flats.items() if set(key).isdisjoint(k)}
+            self._flats[key] = fs
+        return fs
 
     def _add_rows(self, batch, rows, world_size, clip):
         """Add the fused entries rows = [(entry, (st, plan, g, gp))] to batch (which refreshes

@@ -36,7 +36,7 @@ from array import array
 from itertools import accumulate
 
 from dgc_horovod.core import wire
-from dgc_horovod.core.sparsify import SAMPLE_OVERSHOOT, select_topk
+from dgc_horovod.core.sparsify import FALLBACK, TOPK, select_topk, settle, threshold_rank
 
 try:
     from dgc_horovod.core import _kernels
@@ -143,7 +143,7 @@ class Plan:
         if self.uni is None or B.numel(self.uni) != s:
             self.uni = B.empty(s, "float64", like=self.v)
             self.uni_p = B.kernel_ptr(self.uni)
-        self.ks = min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
+        self.ks = threshold_rank(n, k, s)
         # about ks·n/s candidates are expected; more than 2x that is rare and only costs a rescan
         cap = min(n, 2 * math.ceil(self.ks * n / s) + 2 * k + 64)
         if self.cidx is None or B.numel(self.cidx) < cap:
@@ -217,10 +217,11 @@ def select_rest(B, config, generator, st, plan, thr, cnt, nsel, out):
         cand_mag = B.take(mag, idx)
     else:
         idx, cand_mag = B.slice(plan.cidx, 0, cnt), B.slice(plan.cmag, 0, cnt)
-    if cnt > k:                                        # exact top-k among the candidates
+    rule = settle(cnt, k)
+    if rule == TOPK:                                   # exact top-k among the candidates
         sel = B.topk_indices(cand_mag, k)
         idx, mags = B.take(idx, sel), B.take(cand_mag, sel)
-    elif 2 * cnt < k:                                  # too few: exact top-k over v
+    elif rule == FALLBACK:                             # too few: exact top-k over v
         mag = B.abs(st.v)
         idx = B.topk_indices(mag, k)
         mags, thr = B.take(mag, idx), 0.0

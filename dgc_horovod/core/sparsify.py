@@ -3,8 +3,9 @@ import math
 
 import numpy as np
 
-__all__ = ["is_sparse", "k_for", "sample_count", "select_topk", "sample_positions", "MIN_SAMPLES",
-           "SAMPLE_OVERSHOOT"]
+__all__ = ["is_sparse", "k_for", "sample_count", "threshold_rank", "settle", "select_topk",
+           "select_above", "sample_positions", "MIN_SAMPLES", "SAMPLE_OVERSHOOT", "TOPK", "KEEP",
+           "FALLBACK"]
 
 #: Fewest entries sampled for the threshold estimate (below that the estimate is noise).
 MIN_SAMPLES = 64
@@ -34,6 +35,30 @@ def sample_count(n, k, sample_ratio, exact=False):
     if exact or k * 2 >= n:
         return 0
     return min(n, max(MIN_SAMPLES, math.ceil(sample_ratio * n)))
+
+
+def threshold_rank(n, k, s):
+    """ks, the rank of the sampled threshold among the s sampled magnitudes of a tensor of n
+    elements with target count k (§5): ceil(SAMPLE_OVERSHOOT · k · s / n), in [1, s]. Aiming at
+    1.25·k candidates makes count ≥ k, hence the exact top-k, the usual case."""
+    return min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
+
+
+#: The settle rule's outcomes (:func:`settle`).
+TOPK, KEEP, FALLBACK = "topk", "keep", "fallback"
+
+
+def settle(count, k):
+    """The settle rule of the sampled selection (§5), for ``count`` candidates (entries with
+    |v| ≥ the sampled threshold) and target count k: :data:`TOPK` when count > k (the candidates
+    hold every true top-k entry: take the exact top-k among them), :data:`KEEP` when
+    k/2 ≤ count ≤ k (they are the top-count), :data:`FALLBACK` when count < k/2 (an exact top-k
+    over v). The one home of the rule in Python: :func:`select_above`, the fused path's
+    :func:`~dgc_horovod.core.kernels.select_rest` and the bucket path
+    (:mod:`~dgc_horovod.core.bucket_ops`) call it; the C kernels apply the same rule."""
+    if count > k:
+        return TOPK
+    return FALLBACK if 2 * count < k else KEEP
 
 
 def sample_positions(u, n):
@@ -80,13 +105,19 @@ def select_topk(B, v, k, sample_ratio=0.01, exact=False, generator=None):
     s = sample_count(n, k, sample_ratio, exact)
     if not s:
         idx = B.topk_indices(mag, k)
-    else:
-        ks = min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
-        threshold = B.kth_largest(B.sample(mag, s, generator), ks)
-        idx = B.indices_where_ge(mag, threshold)
-        c = B.numel(idx)
-        if c > k:
-            idx = B.take(idx, B.topk_indices(B.take(mag, idx), k))
-        elif 2 * c < k:
-            idx = B.topk_indices(mag, k)
+        return B.drop_zeros(idx, B.take(mag, idx))
+    threshold = B.kth_largest(B.sample(mag, s, generator), threshold_rank(n, k, s))
+    return select_above(B, mag, k, threshold)
+
+
+def select_above(B, mag, k, threshold):
+    """Steps 2–3 of :func:`select_topk`: the candidates mag ≥ threshold, settled to at most k
+    (:func:`settle`), zeros dropped. mag: flat float32 magnitudes |v| (read only). Returns the
+    int64 index tensor (unordered, unique)."""
+    idx = B.indices_where_ge(mag, threshold)
+    rule = settle(B.numel(idx), k)
+    if rule == TOPK:
+        idx = B.take(idx, B.topk_indices(B.take(mag, idx), k))
+    elif rule == FALLBACK:
+        idx = B.topk_indices(mag, k)
     return B.drop_zeros(idx, B.take(mag, idx))
