@@ -83,6 +83,7 @@ class DGC(DGCAdapter, Compressor):
     """
 
     _hvd = hvd
+    exchanges = ("allgather", "regions")
 
     def __init__(self, config=None, **kwargs):
         super().__init__(config, TorchBackend(), **kwargs)
@@ -134,7 +135,7 @@ class DGC(DGCAdapter, Compressor):
         if kind == "dense":
             exchange.hold()
             return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)
-        ticket = exchange.send(name, out, process_set)
+        ticket = exchange.send(name, out, process_set, core_ctx.numel)
         ctx = Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param,
                       out=into)
         return tensor.new_zeros(1, dtype=torch.float32), ctx
@@ -148,12 +149,12 @@ class DGC(DGCAdapter, Compressor):
             shape, dtype, name, param = ctx
             self._exchange.release()
             return core.apply_weight_decay(name, tensor.view(-1), param).view(shape).to(dtype)
-        gathered, ranks = self._exchange.receive(ctx.handle, ctx.world_size)
+        gathered, ranks, dropped = self._exchange.receive(ctx.handle, ctx.world_size)
         if ctx.dense:                         # gated: reduced by DGC's own allreduce
             dense = gathered.view(-1)
         else:
             dense = core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks,
-                                    None if ctx.out is None else ctx.out.view(-1))
+                                    None if ctx.out is None else ctx.out.view(-1), dropped)
         dense = core.apply_weight_decay(ctx.name, dense, ctx.param)
         return dense.view(ctx.shape).to(ctx.dtype)
 
