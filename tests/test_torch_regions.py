@@ -62,6 +62,7 @@ def test_nothing_is_lost(run, variant):
 def test_nonfinite_step_skipped_on_every_rank_state_clean(run, mode):
     r = run["nonfinite"][mode]
     assert r["skipped"] == [False, False, False, True, False, False, False, False]
+    assert all(every == r["skipped"] for every in r["all_nan"])     # every tensor, every rank
     assert r["states_finite"] and r["params_finite"] and r["identical"]
 
 

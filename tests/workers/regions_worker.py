@@ -133,13 +133,16 @@ def count_dropped(dgc):
 
 
 def scenario_nonfinite(results):
-    """Rank 1's loss is NaN at step 3 (momentum 0.9): every rank skips that step alike, states
-    stay finite, the replicas bit-identical."""
+    """Rank 1's loss is NaN at step 3 (momentum 0.9): every rank gets NaN for every gradient,
+    sparsified ones included, and skips that step alike; states stay finite, the replicas
+    bit-identical."""
     out = {}
     for mode in ("bucketed", "per_tensor", "gated"):
         dgc = dgc_for(mode)
         model, opt = make(f"nf.{mode}", dgc)
-        out[mode] = nonfinite_facts(dgc, model, train_with_nan(model, opt))
+        all_nan = []
+        out[mode] = nonfinite_facts(dgc, model, train_with_nan(model, opt, all_nan=all_nan))
+        out[mode]["all_nan"] = hvd.allgather_object(all_nan)
     results["nonfinite"] = out
 
 

@@ -247,10 +247,12 @@ def scenario_wire(results, prefix):
         results["wire"][mode] = counters(dgc)
 
 
-def train_with_nan(model, opt, steps=8, seed=100, nan_step=3, after_backward=None):
+def train_with_nan(model, opt, steps=8, seed=100, nan_step=3, after_backward=None,
+                   all_nan=None):
     """Train ``steps`` steps; rank 1's loss is NaN at ``nan_step`` (None: never). A step whose
     synchronized gradients are not finite is skipped, as GradScaler does. ``after_backward(step)``
-    runs between backward and synchronize. Returns, per step, whether it was skipped."""
+    runs between backward and synchronize; a list ``all_nan`` gets, per step, whether every
+    element of every synchronized gradient is NaN. Returns, per step, whether it was skipped."""
     seen = []
     for step, (x, y) in enumerate(batches(steps, seed + hvd.rank())):
         opt.zero_grad()
@@ -263,6 +265,8 @@ def train_with_nan(model, opt, steps=8, seed=100, nan_step=3, after_backward=Non
         opt.synchronize()
         bad = any(not torch.isfinite(p.grad).all() for p in model.parameters())
         seen.append(bad)
+        if all_nan is not None:
+            all_nan.append(all(bool(torch.isnan(p.grad).all()) for p in model.parameters()))
         if not bad:                                 # the loss-scaling skip, as GradScaler does
             with opt.skip_synchronize():
                 opt.step()
