@@ -120,6 +120,7 @@ VARIANTS = {
     "dgc": ("full DGC", ("mnist", "lm")),
     "dgc_1d": ("full DGC, 1-D tensors sparsified too", ("mnist", "lm")),
     "dgc_tclip": ("full DGC, clipping per tensor", ("mnist", "lm")),
+    "dgc_regions": ("full DGC, region exchange", ("mnist", "lm")),
 }
 
 #: how the ablation ladder's table and legend name full DGC (its last rung)
@@ -226,7 +227,8 @@ def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None, clip
     }
     full = dict(momentum=m, clip_norm=C, warmup_steps=warmup_steps)   # masking: default (True)
     dgc = {"dgc": full, "dgc_1d": dict(full, min_sparse_ndim=1),
-           "dgc_tclip": dict(full, clip_scope="tensor")}
+           "dgc_tclip": dict(full, clip_scope="tensor"),
+           "dgc_regions": dict(full, exchange="regions")}
     kw = dict(ladder.get(variant) or dgc[variant], seed=seed,
               compress_ratio=COMPRESS_RATIO if compress_ratio is None else compress_ratio)
     opt_m = m if variant == "gd" else 0.0
@@ -525,6 +527,7 @@ def train(job):
         tot = [c.total_stats for c in cluster.cores]
         wire = dict(dense_bytes=sum(t.dense_bytes for t in tot),
                     wire_bytes=sum(t.wire_bytes for t in tot), ratio=cluster.wire_ratio(),
+                    received_bytes=sum(t.received_bytes for t in tot),
                     final_density=cluster.density,
                     selected=sum(t.selected for t in tot), elements=sum(t.elements for t in tot))
         if at_warmup is not None:

@@ -22,11 +22,15 @@ per worker. So N workers cost N backward passes and N compressions per step, abo
 dense run with an N times larger batch costs. With N = 2 this reproduces a real
 ``horovodrun -np 2`` job bit for bit (tests/test_simulate.py) when the model has no per-rank
 buffers (batch-norm statistics would be per rank there) and both run with one intra-op thread.
-Dense training (``config=None``) averages the raw gradients the same way.
+Dense training (``config=None``) averages the raw gradients the same way. With
+``DGCConfig(exchange="regions")`` step 4 is the region exchange instead
+(:mod:`dgc_horovod.core.regions`): each worker's payloads split by region and framed per
+destination (Horovod's alltoall), each region's owner reduces it, and the owners' payloads are
+concatenated (the allgather) and decoded; the frames' bytes are counted, not built.
 """
 import torch
 
-from dgc_horovod.core import PLACEHOLDER_BYTES, DGCConfig, DGCCore, wire
+from dgc_horovod.core import PLACEHOLDER_BYTES, DGCConfig, DGCCore, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
 from dgc_horovod.backends.torch_backend import TorchBackend
 
@@ -120,6 +124,7 @@ class SimulatedCluster:
         N, B, avg, cores = self.world_size, self.B, self.average, self.cores
         byname = dict(self.params)
         needs_param = cores[0].needs_param
+        regional = self.config.exchange == "regions"
         # 1-3: every worker compresses, as its adapter would
         segments, contexts, dense = [], [], []
         for core, g in zip(cores, grads):
@@ -140,6 +145,9 @@ class SimulatedCluster:
                     N, avg, scale)
                 payloads = [r[1] for r in results]
                 ctxs.update({n: r[2] for (_, n), r in zip(sparse, results)})
+                if regional:                # the frames are made in _regions_bucket
+                    segs.append([(m, n, pay) for (m, n), pay in zip(sparse, payloads)])
+                    continue
                 segs.append(wire.frame_bucket(B, [(m, pay) for (m, _), pay in
                                                   zip(sparse, payloads)], like=payloads[0]))
                 core.add_wire_bytes(4 * len(sparse) + wire.BUCKET_HEADER_BYTES)
@@ -158,6 +166,11 @@ class SimulatedCluster:
         for b, (members, flags) in enumerate(self.buckets):
             if segments[0][b] is None:
                 continue
+            if regional:
+                results = self._regions_bucket([segments[k][b] for k in range(N)], contexts)
+                out.update({n: self._weight_decay(n, res, byname[n], wd)
+                            for n, res in results.items()})
+                continue
             gathered = B.cat([segments[k][b] for k in range(N)])
             for k in range(N):
                 cores[k].count_allgather(B.numel(gathered), B.numel(segments[k][b]))
@@ -175,6 +188,61 @@ class SimulatedCluster:
         for n in dense[0]:
             out[n] = self._weight_decay(n, self._dense_reduce([d[n] for d in dense]),
                                         byname[n], wd)
+        return out
+
+    def _regions_bucket(self, payloads, contexts):
+        """``exchange="regions"`` for one bucket (:mod:`dgc_horovod.core.regions`): every
+        worker's payloads ([(member index, name, payload)] per worker) split by region (what
+        the alltoall carries: worker k's part j goes to worker j), each owner's reduce_region of
+        its region's parts in rank order, the owners' payloads decoded by worker 0 (the
+        allgather) and settled on every worker (its dropped sums, its unapplied momentum).
+        The frames themselves are not built (N² of them per bucket); their bytes are counted as
+        the adapter frames them (:func:`~dgc_horovod.core.wire.frame_bucket`: a bucket header,
+        then per part sent one word and its payload; a worker sends no frame to a worker it has
+        no part for, and every owner's frame, empty or not, goes to every worker).
+        Returns {name: update}."""
+        N, B, avg, cores = self.world_size, self.B, self.average, self.cores
+        members = payloads[0]
+        numel = {n: cores[0].states[n].numel for _, n, _ in members}
+        parts = [{n: regions.split_payload(B, p, numel[n], N, n) for _, n, p in payloads[k]}
+                 for k in range(N)]
+        nothing = B.int32_tensor([], like=members[0][2])
+
+        def cat(ps):        # the payloads that were sent, in rank order, and how many
+            ps = [p for p in ps if p is not None]
+            return (B.cat(ps) if ps else nothing), len(ps)
+        reduced = []
+        for j in range(N):
+            red = {}
+            for _, n, _ in members:
+                gathered, count = cat(parts[k][n][j] for k in range(N))
+                red[n] = cores[j].reduce_region(gathered, n, numel[n], j, N, count)
+            reduced.append(red)
+
+        def frame(ps):      # a frame's bytes: header, then a word and the payload per part
+            ps = [p for p in ps if p is not None]
+            return wire.BUCKET_HEADER_BYTES + sum(4 + 4 * B.numel(p) for p in ps) if ps else 0
+        to = [[frame(parts[k][n][j] for _, n, _ in members) for j in range(N)]
+              for k in range(N)]
+        owner = [frame(reduced[j][n][0] for _, n, _ in members) or wire.BUCKET_HEADER_BYTES
+                 for j in range(N)]
+        for k, core in enumerate(cores):
+            counted = sum(4 * B.numel(p) for _, _, p in payloads[k])   # compress counted these
+            sent = sum(to[k][j] for j in range(N) if j != k) + owner[k]
+            received = sum(to[j][k] + owner[j] for j in range(N) if j != k)
+            core.add_wire_bytes(sent - counted, received=received)
+        out = {}
+        for _, n, _ in members:
+            gathered, count = cat(reduced[j][n][0] for j in range(N))
+            summed, nonfinite = wire.decode_sum(B, gathered, numel[n], count, n)
+            res = cores[0].decompress(gathered, contexts[0][n], N, avg, count,
+                                      dropped=reduced[0][n][1])
+            for k in range(1, N):
+                if nonfinite:
+                    cores[k].decompress(gathered, contexts[k][n], N, avg, count)
+                else:
+                    cores[k].keep_unapplied(contexts[k][n], summed, reduced[k][n][1])
+            out[n] = res
         return out
 
     def _weight_decay(self, name, update, param, wd):

@@ -27,12 +27,24 @@ def exchange(cores, grads, name="w", average=True):
         ctxs.append(ctx)
         splits.append(regions.split_payload(B, payload, B.numel(g), N, name))
     numel = B.numel(grads[0])
-    reduced = [cores[j].reduce_region(B.cat([splits[r][j] for r in range(N)]), name, numel, j, N)
-               for j in range(N)]
-    gathered = B.cat([p for p, _ in reduced])
-    outs = [core.decompress(gathered, ctx, N, average, dropped=dropped)
+    reduced = []
+    for j in range(N):
+        gathered, count = sent(B, [splits[r][j] for r in range(N)])
+        reduced.append(cores[j].reduce_region(gathered, name, numel, j, N, count))
+    gathered, count = sent(B, [p for p, _ in reduced])
+    outs = [core.decompress(gathered, ctx, N, average, count, dropped=dropped)
             for core, ctx, (_, dropped) in zip(cores, ctxs, reduced)]
     return outs, ctxs, splits, [p for p, _ in reduced]
+
+
+def sent(B, payloads):
+    """(the payloads that were sent, concatenated in rank order; how many): None is not sent."""
+    ps = [p for p in payloads if p is not None]
+    return (B.cat(ps) if ps else B.int32_tensor([], like=B.zeros(1, like=None))), len(ps)
+
+
+def words(B, p):
+    return 0 if p is None else B.numel(p)
 
 
 def reference(sent, numel, N, density, average=True, fp16=False):
@@ -153,9 +165,8 @@ def test_traffic_per_rank_does_not_grow_with_N():
     for N in (2, 8):
         cores = make_cores(N, B, momentum=0.0, compress_ratio=0.01, wire_index="int32")
         _, _, splits, phase2 = exchange(cores, grads_for(N, n, 1, B))
-        words = sum(B.numel(splits[r][0]) for r in range(1, N)) + \
-            sum(B.numel(p) for p in phase2[1:])
-        received[N] = words
+        received[N] = sum(words(B, splits[r][0]) for r in range(1, N)) + \
+            sum(words(B, p) for p in phase2[1:])
     assert received[8] / received[2] < 1.9          # ≈ 1.75 + headers; allgather: 7
 
 
@@ -200,9 +211,11 @@ def test_split_payload_keeps_every_entry_once(fmt):
         assert len(parts) == N
         got = np.zeros(n, F32)
         for (lo, hi), part in zip(regions.bounds(n, N), parts):
-            dense, nonfinite = wire.decode_sum(B, part, hi - lo, 1, "t")
-            assert not nonfinite
-            got[lo:hi] += dense
+            assert (part is None) == (not ((idx >= lo) & (idx < hi)).any())
+            if part is not None:
+                dense, nonfinite = wire.decode_sum(B, part, hi - lo, 1, "t")
+                assert not nonfinite
+                got[lo:hi] += dense
         want = np.zeros(n, F32)
         want[idx] = vals if fmt[1] == "float32" else vals.astype(np.float16).astype(F32)
         np.testing.assert_array_equal(got, want)
@@ -228,6 +241,12 @@ def test_a_malformed_region_payload_names_tensor_and_rank():
     bad[0] = 123
     with pytest.raises(wire.WireFormatError, match=r"'w' from rank 1"):
         regions.reduce_region(B, np.concatenate([good, bad]), 20, (0, 10), 2, 0.1, "w")
+
+
+def test_a_region_nobody_sent_to_shares_nothing():
+    B = NumpyBackend()
+    payload, dropped = regions.reduce_region(B, np.zeros(0, np.int32), 20, (10, 20), 0, 0.1, "w")
+    assert payload is None and dropped is None
 
 
 def test_exchange_option():

@@ -153,3 +153,77 @@ def test_received_bytes_are_the_other_workers_payloads(one_thread, name):
         assert core.total_stats.received_bytes == sum(allgathered) - allgathered[k] + allreduced
         assert core.total_stats.received_ratio == pytest.approx(
             core.total_stats.dense_bytes / core.total_stats.received_bytes)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bucket_numel", [0, 1500, 2 ** 22])
+def test_region_exchange_is_the_cores_exchange(one_thread, bucket_numel):
+    """exchange="regions": the simulated cluster (framed buckets, alltoall and allgather as
+    concatenations) gives the bits of the core's exchange run tensor by tensor (compress →
+    regions.split_payload → reduce_region on each owner → decompress with its dropped sums),
+    with the workers' states alike, over steps with momentum."""
+    from dgc_horovod.core import DGCCore, regions
+    from dgc_horovod.backends.torch_backend import TorchBackend
+    N, steps = 3, 4
+    kw = dict(compress_ratio=0.05, min_sparse_ndim=1, warmup_steps=0, exchange="regions",
+              environ={})
+    model = W.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=W.LR)
+    cluster = SimulatedCluster(model, opt, N, DGCConfig(bucket_numel=bucket_numel, **kw))
+    B = TorchBackend()
+    cores = [DGCCore(DGCConfig(**kw), B) for _ in range(N)]
+    ref = W.make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=W.LR)
+    names = [n for n, _ in ref.named_parameters()][::-1]           # the plan order
+    for step in range(steps):
+        cluster.backward([lambda k=k: W.loss_of(model, k, step) for k in range(N)])
+        grads = []
+        for k in range(N):
+            ref.zero_grad()
+            W.loss_of(ref, k, step).backward()
+            grads.append({n: p.grad.detach().reshape(-1).clone()
+                          for n, p in ref.named_parameters()})
+        params = dict(ref.named_parameters())
+        for n in names:
+            ctxs, parts = [], []
+            for core, g in zip(cores, grads):
+                _, payload, ctx = core.compress(n, g[n], N)
+                ctxs.append(ctx)
+                parts.append(regions.split_payload(B, payload, g[n].numel(), N, n))
+            red = []
+            for j in range(N):
+                ps = [parts[k][j] for k in range(N) if parts[k][j] is not None]
+                gathered = B.cat(ps) if ps else torch.zeros(0, dtype=torch.int32)
+                red.append(cores[j].reduce_region(gathered, n, g[n].numel(), j, N, len(ps)))
+            ps = [p for p, _ in red if p is not None]
+            gathered = B.cat(ps) if ps else torch.zeros(0, dtype=torch.int32)
+            outs = [core.decompress(gathered, ctx, N, True, len(ps), dropped=d)
+                    for core, ctx, (_, d) in zip(cores, ctxs, red)]
+            assert torch.equal(outs[0].view_as(params[n]),
+                               dict(model.named_parameters())[n].grad), n
+            params[n].grad = outs[0].view_as(params[n]).clone()
+        opt.step()
+        ref_opt.step()
+        for core, simulated_core in zip(cores, cluster.cores):
+            for n in names:
+                a, b = core.states[n], simulated_core.states[n]
+                assert torch.equal(a.u, b.u) and torch.equal(a.v, b.v), n
+
+
+@pytest.mark.unit
+def test_region_exchange_traffic_per_worker_hardly_grows_with_N(one_thread):
+    """Bytes received per worker per step: allgather grows with N − 1, regions stay below 2×
+    those at N = 2 (about 2k(N − 1)/N entries)."""
+    torch.manual_seed(0)
+    received = {}
+    for exchange in ("allgather", "regions"):
+        for N in (2, 8):
+            model = torch.nn.Linear(256, 256, bias=False)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            cluster = SimulatedCluster(model, opt, N, DGCConfig(
+                compress_ratio=0.01, warmup_steps=0, exchange=exchange, environ={}))
+            x = torch.randn(N, 8, 256)
+            cluster.backward([lambda k=k: model(x[k]).square().mean() for k in range(N)])
+            received[exchange, N] = cluster.cores[0].total_stats.received_bytes
+    assert received["allgather", 8] / received["allgather", 2] > 6
+    assert received["regions", 8] / received["regions", 2] < 2

@@ -70,6 +70,7 @@ class TFBackend(Backend):
     def index_add_(self, x, idx, vals): x.scatter_nd_add(_col(idx), vals)
     def int32_tensor(self, values, like=None): return tf.constant(values, tf.int32)
     def to_int32(self, idx): return tf.cast(idx, tf.int32)
+    def to_int64(self, idx): return tf.cast(idx, tf.int64)
     def float32_bits(self, x): return tf.bitcast(tf.convert_to_tensor(x, tf.float32), tf.int32)
     def bits_float32(self, w): return tf.bitcast(w, tf.float32)
     def cat(self, xs): return tf.concat([tf.convert_to_tensor(x) for x in xs], 0)

@@ -75,6 +75,7 @@ class TorchBackend(Backend):
         return torch.tensor(values, dtype=torch.int32, device=like.device)
 
     def to_int32(self, idx): return idx.to(torch.int32)
+    def to_int64(self, idx): return idx.to(torch.int64)
     def float32_bits(self, x): return x.contiguous().view(torch.int32)
     def bits_float32(self, w): return w.contiguous().view(torch.float32)
     def cat(self, xs): return torch.cat(xs)

@@ -63,6 +63,7 @@ class Backend:
     # --- wire
     def int32_tensor(self, values, like): raise NotImplementedError
     def to_int32(self, idx): raise NotImplementedError
+    def to_int64(self, idx): raise NotImplementedError
     def float32_bits(self, x): raise NotImplementedError       # float32 -> int32 bit patterns
     def bits_float32(self, w): raise NotImplementedError       # int32 bit patterns -> float32
     def cat(self, xs): raise NotImplementedError
@@ -177,6 +178,7 @@ class NumpyBackend(Backend):
 
     def int32_tensor(self, values, like=None): return np.asarray(values, dtype=np.int64).astype(np.int32)
     def to_int32(self, idx): return idx.astype(np.int32)
+    def to_int64(self, idx): return idx.astype(np.int64)
     def float32_bits(self, x): return np.ascontiguousarray(x, dtype=np.float32).view(np.int32)
     def bits_float32(self, w): return np.ascontiguousarray(w, dtype=np.int32).view(np.float32)
     def cat(self, xs): return np.concatenate(xs)

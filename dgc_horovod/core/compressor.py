@@ -817,14 +817,26 @@ class DGCCore:
         with self._lock:
             self._stats.count_allgather(output_words, input_words)
 
-    def reduce_region(self, gathered, name, numel, rank, world_size):
+    def reduce_region(self, gathered, name, numel, rank, world_size, count=None):
         """``exchange="regions"``, steps 3-4 of :mod:`dgc_horovod.core.regions` on the owner of
-        region ``rank`` of tensor ``name``: (the payload to allgather, the dropped sums to hand
-        to :meth:`decompress`). ``gathered``: the N ranks' payloads for the region (alltoall),
-        in rank order."""
+        region ``rank`` of tensor ``name``: (the payload to allgather or None, the dropped sums
+        to hand to :meth:`decompress`). ``gathered``: the ``count`` (default N) payloads the
+        ranks sent for the region (alltoall), in rank order."""
         c = self.config
-        return regions.reduce_region(self.B, gathered, numel, regions.bounds(numel, world_size)[rank],
-                                     world_size, self.density, name, c.wire_index, c.wire_values)
+        region = regions.bounds(numel, world_size)[rank]
+        return regions.reduce_region(self.B, gathered, numel, region,
+                                     world_size if count is None else count, self.density, name,
+                                     c.wire_index, c.wire_values)
+
+    def keep_unapplied(self, ctx, summed, dropped):
+        """``exchange="regions"``, after a finite step (step 5 of :mod:`dgc_horovod.core.regions`):
+        this rank's dropped sums into v, and the momentum of what it sent but was not applied
+        back into u. ``summed``: the decoded phase-2 sum of the tensor, before any 1/N.
+        :meth:`decompress` calls it; a caller that decodes once for several ranks (the
+        simulated cluster) calls it for the others."""
+        st = self.states[ctx.name]
+        with self._lock:
+            regions.keep_unapplied(self.B, st.u, st.v, summed, ctx.indices, ctx.u_sent, dropped)
 
     def decompress(self, gathered, ctx, world_size, average=True, ranks=None, out=None,
                    dropped=None):
@@ -863,9 +875,7 @@ class DGCCore:
             B.mul_(dense, float("nan"))
             return dense
         if self.config.exchange == "regions":
-            st = self.states[ctx.name]
-            with self._lock:
-                regions.keep_unapplied(B, st.u, st.v, dense, ctx.indices, ctx.u_sent, dropped)
+            self.keep_unapplied(ctx, dense, dropped)
         if average and world_size > 1 and positions:
             # divide by N only where a rank sent something (elsewhere 0 / N is 0): the same
             # bits as dividing the whole tensor, without a pass over it. A position sent by

@@ -8,15 +8,17 @@ alltoall and allgather. For one sparsified tensor of n elements, N ranks, densit
     regions     R_j = [⌊j·n/N⌋, ⌊(j+1)·n/N⌋), j = 0..N−1 (contiguous; sizes differ by at most 1)
     1. select   rank r compresses as under allgather (Algorithm 1: momentum correction, top-k of
                 |v_r|, encode; u_r and v_r cleared at the sent positions I_r), payload G_r
-    2. scatter  (alltoall) rank r sends G_r ∩ R_j to rank j, positions relative to R_j
+    2. scatter  (alltoall) rank r sends G_r ∩ R_j to rank j, positions relative to R_j (only
+                the non-empty parts: per rank O(k) entries and headers, not O(N) headers)
     3. reduce   rank j: S_j = Σ_r G_r|R_j, summed in rank order (the allgather path's order);
                 K_j = the k_j = max(1, ⌈ρ·|R_j|⌉) largest |S_j| (exact top-k over S_j's non-zero
                 entries; of equal magnitudes the lowest positions first, so every backend keeps
                 the same; only rank j selects, so no rank has to agree with another);
                 D_j = S_j − S_j|K_j, what rank j drops
-    4. share    (allgather) rank j sends (K_j, S_j[K_j]) with absolute positions; every rank
-                decodes the N payloads in rank order, the regions are disjoint, so the update
-                Δ = (1/N)·Σ_j S_j|K_j (Average; Sum: without 1/N) is bit-identical everywhere
+    4. share    (allgather) rank j sends (K_j, S_j[K_j]) with absolute positions (nothing if
+                S_j is all zero); every rank decodes the payloads in rank order; the regions
+                are disjoint, so the update Δ = (1/N)·Σ_j S_j|K_j (Average; Sum: without 1/N)
+                is bit-identical everywhere
     5. keep     after a finite step, rank j: v_j ← v_j + D_j; every rank r puts back the momentum
                 of what it sent that was not applied: u_r[I_r \\ K] ← u_r,sent (K = ∪_j K_j)
 
@@ -47,7 +49,8 @@ __all__ = ["bounds", "split_payload", "reduce_region", "keep_unapplied"]
 
 
 def bounds(numel, world_size):
-    """[(lo, hi)] of the N regions of a tensor of ``numel`` elements: R_j = [⌊j·n/N⌋, ⌊(j+1)·n/N⌋)."""
+    """[(lo, hi)] of the N regions of a tensor of ``numel`` elements:
+    R_j = [⌊j·n/N⌋, ⌊(j+1)·n/N⌋)."""
     return [(j * numel // world_size, (j + 1) * numel // world_size) for j in range(world_size)]
 
 
@@ -56,21 +59,37 @@ def split_payload(B, payload, numel, world_size, name="<tensor>"):
     payloads, the j-th holding the entries in region j with positions relative to its start
     (numel = |R_j|), in the same encodings and with the same flags.
 
-    Returns the list of N flat int32 payloads (rank j's is what this rank sends to rank j).
+    Returns the list of N flat int32 payloads, rank j's being what this rank sends to rank j,
+    or None where it sends nothing: a region without entries, unless the payload is flagged
+    (FLAG_NONFINITE goes to every region; those empty payloads of equal size may be one and
+    the same tensor: do not write into them). Omitting empty parts keeps a rank's traffic at
+    O(entries) rather than O(N) headers per tensor.
     Raises WireFormatError for a malformed payload.
     """
     idx, vals, flags, index, values, end = wire.read_payload(B, payload, 0, numel, name)
     if end != B.numel(payload):
         raise wire.WireFormatError(f"DGC payload of tensor {name!r} has {B.numel(payload) - end}"
                                    " unexpected trailing words")
+    spans = bounds(numel, world_size)
+    empty = {}                  # region size -> its empty payload (most regions, at large N)
+    present = {}
+    if idx is not None:
+        # the region of position p: the j with ⌊j·n/N⌋ <= p < ⌊(j+1)·n/N⌋, i.e. ⌊((p+1)·N − 1)/n⌋
+        region = (B.to_int64(idx) + 1) * world_size - 1
+        region = region // numel
+        for j in B.to_list(_unique_sorted(B, region)):
+            inside = region == j
+            lo, hi = spans[j]
+            present[j] = wire.encode(B, hi - lo, B.mask(idx, inside) - lo, B.mask(vals, inside),
+                                     flags, index, values)
+    if not flags:               # an empty part without a flag says nothing: not sent
+        return [present.get(j) for j in range(world_size)]
     out = []
-    for lo, hi in bounds(numel, world_size):
-        if idx is None:
-            part_idx, part_vals = B.empty_indices(like=payload), B.zeros(0, like=payload)
-        else:
-            inside = (idx >= lo) & (idx < hi)
-            part_idx, part_vals = B.mask(idx, inside) - lo, B.mask(vals, inside)
-        out.append(wire.encode(B, hi - lo, part_idx, part_vals, flags, index, values))
+    for j, (lo, hi) in enumerate(spans):
+        if j not in present and hi - lo not in empty:
+            empty[hi - lo] = wire.encode(B, hi - lo, B.empty_indices(like=payload),
+                                         B.zeros(0, like=payload), flags, index, values)
+        out.append(present[j] if j in present else empty[hi - lo])
     return out
 
 
@@ -84,21 +103,23 @@ def _unique_sorted(B, idx):
     return B.mask(s, first)
 
 
-def reduce_region(B, gathered, numel, region, world_size, density, name="<tensor>",
+def reduce_region(B, gathered, numel, region, count, density, name="<tensor>",
                   index="delta16", value_dtype="float32"):
     """Steps 3 and 4 on the region's owner: sum the N ranks' payloads for its region (what the
     alltoall brought, in rank order), keep the k_j largest magnitudes of the sum.
 
     Args:
-        B: backend. gathered: flat int32, the N payloads of :func:`split_payload` for this region,
-            concatenated in rank order. numel (int): elements of the whole tensor.
-        region (tuple): (lo, hi), this rank's region (:func:`bounds`). world_size (int): N.
+        B: backend. gathered: flat int32, the payloads of :func:`split_payload` for this region
+            that were sent (not None), concatenated in rank order. numel (int): elements of the
+            whole tensor. region (tuple): (lo, hi), this rank's region (:func:`bounds`).
+        count (int): payloads in ``gathered`` (0 to N).
         density (float): ρ of the step (the warm-up's). name (str): for error messages.
         index, value_dtype: the encodings of the payload this returns.
     Returns:
         (payload, dropped): the flat int32 payload of (K_j, S_j[K_j]) with absolute positions
         (numel = the whole tensor; flagged FLAG_NONFINITE and empty when any contribution was
-        non-finite), and (absolute positions, values) of D_j, the non-zero sums not kept, plus,
+        non-finite; None when there is nothing to share: no non-zero sum), and (absolute
+        positions, values) of D_j, the non-zero sums not kept, plus,
         with float16 values, the kept sums' rounding error (None when nothing was dropped or the
         step is non-finite).
     Raises:
@@ -106,14 +127,16 @@ def reduce_region(B, gathered, numel, region, world_size, density, name="<tensor
     """
     lo, hi = region
     positions = []
-    s, nonfinite = wire.decode_sum(B, gathered, hi - lo, world_size, name, positions)
+    s, nonfinite = wire.decode_sum(B, gathered, hi - lo, count, name, positions)
     empty = B.empty_indices(like=gathered)
     if nonfinite:
         return wire.encode(B, numel, empty, B.zeros(0, like=gathered), wire.FLAG_NONFINITE,
                            index, value_dtype), None
     cand = _unique_sorted(B, B.cat(positions)) if positions else empty
     cand = B.drop_zeros(cand, B.abs(B.take(s, cand)))
-    k = k_for(hi - lo, density) if hi > lo else 0
+    if not B.numel(cand):
+        return None, None
+    k = k_for(hi - lo, density)
     dropped = None
     if B.numel(cand) > k:
         mag = B.abs(B.take(s, cand))
