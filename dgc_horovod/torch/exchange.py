@@ -29,16 +29,17 @@ The region exchange (``exchange="regions"``, the algorithm and its equations:
 :mod:`dgc_horovod.core.regions`) replaces each allgather by two collectives, with the same
 bucket plan, the same compress calls and the same gated mode:
 
-1. scatter: each payload is cut into N region payloads (``regions.split_payload``); rank j is
-   sent, by one ``hvd.alltoall_async`` with splits (named like the allgather it replaces), the
-   frame (``wire.frame_bucket``) of every member's part j; in per-tensor mode the bare part j.
+1. scatter: each payload is cut into N region payloads (``regions.split_payload``: None where
+   the rank has no entry in a region); rank j is sent, by one ``hvd.alltoall_async`` with splits
+   (named like the allgather it replaces), the frame (``wire.frame_bucket``) of the members'
+   parts j that exist, or nothing. Per-tensor mode frames too (a bucket of one tensor).
 2. reduce and share: when the first result of a step is asked for, every alltoall started so
    far is waited for in the order they started; for each one this rank reduces its region of
-   every member that some rank sent (``DGCCore.reduce_region``, the N parts in rank order; a
-   rank that sent a bucket but not that member counts as an empty payload), frames the reduced
-   payloads and starts their allgather (``dgc.kept.<bucket or tensor name>``) before it waits for
-   the next alltoall, so the second phases of all buckets overlap.
-3. every rank decodes the N owners' payloads of a tensor (``DGCCore.decompress`` with the
+   every member some rank sent a part of (``DGCCore.reduce_region``, the parts in rank order),
+   frames the reduced payloads that are not empty (the frame goes out even when it holds none)
+   and starts their allgather (``dgc.kept.<bucket or tensor name>``) before it waits for the
+   next alltoall, so the second phases of all buckets overlap.
+3. every rank decodes the owners' payloads of a tensor (``DGCCore.decompress`` with the
    ``dropped`` sums of the region it owns), bit-identical everywhere.
 
 Statistics: ``wire_bytes`` counts what this rank sent to the other ranks in the alltoall plus its
@@ -95,22 +96,23 @@ class _Launch:
 
 
 class _Regions:
-    """One region exchange (``exchange="regions"``) of a bucket, or of one tensor in per-tensor
-    mode (``framed`` False): its alltoall (``scatter``), then its allgather (``share``).
+    """One region exchange (``exchange="regions"``) of a bucket (in per-tensor mode, a bucket of
+    one tensor): its alltoall (``scatter``), then its allgather (``share``).
 
     ``names`` / ``numels``: every member of the bucket (the frames' member indices refer to
-    them); ``dropped``: {member: what this rank's reduce dropped}; ``parts``: {member: the
-    owners' reduced payloads, in rank order} once the allgather is received; ``words``: int32
-    words of this rank's allgather input; ``error``: what advancing it raised, if it failed.
+    them); ``dropped``: {member: what this rank's reduce dropped}; ``parts``: per member, the
+    owners' reduced payloads in rank order, once the allgather is received (``empty``: a
+    0-word tensor for a member no owner sent); ``words``: int32 words of this rank's allgather
+    input; ``error``: what advancing it raised, if it failed.
     """
 
-    __slots__ = ("name", "names", "numels", "framed", "process_set", "scatter", "share",
-                 "words", "dropped", "parts", "error")
+    __slots__ = ("name", "names", "numels", "process_set", "scatter", "share", "words",
+                 "dropped", "parts", "empty", "error")
 
-    def __init__(self, name, names, numels, framed, process_set):
-        self.name, self.names, self.numels, self.framed = name, names, numels, framed
+    def __init__(self, name, names, numels, process_set):
+        self.name, self.names, self.numels = name, names, numels
         self.process_set = process_set
-        self.scatter = self.share = self.parts = self.error = None
+        self.scatter = self.share = self.parts = self.empty = self.error = None
         self.words, self.dropped = 0, {}
 
 
@@ -231,8 +233,8 @@ class Exchange:
         for receive."""
         if self.regions:
             with self._lock:
-                flight = self._scatter(_Regions("dgc." + name, [name], [numel], False,
-                                                process_set), [0], [payload])
+                flight = self._scatter(_Regions("dgc." + name, [name], [numel], process_set),
+                                       [0], [payload])
                 self._outstanding += 1
             return ("regions", flight)
         handle = hvd.allgather_async(payload, name="dgc." + name, process_set=process_set)
@@ -243,64 +245,63 @@ class Exchange:
     # ------------------------------------------------------------- the region exchange
     def _scatter(self, flight, members, payloads):
         """Phase 1 (lock held): cut each member's payload into N region payloads and start the
-        alltoall that sends rank j its parts j (framed in a bucket). Returns ``flight``."""
+        alltoall that sends rank j the frame of its parts j (nothing when it has none for rank
+        j). Returns ``flight``."""
         core, B = self._core, self._core.B
         ps = flight.process_set
         world, me = ps.size(), ps.rank()
         split = [regions.split_payload(B, payload, flight.numels[m], world, flight.names[m])
                  for m, payload in zip(members, payloads)]
-        if flight.framed:
-            pieces = [wire.frame_bucket(B, [(m, parts[j]) for m, parts in zip(members, split)],
-                                        like=payloads[0]) for j in range(world)]
-        else:
-            pieces = split[0]
+        pieces = []
+        for j in range(world):
+            entries = [(m, parts[j]) for m, parts in zip(members, split) if parts[j] is not None]
+            if entries:
+                pieces.append(wire.frame_bucket(B, entries, like=payloads[0]))
+            else:
+                pieces.append(B.int32_tensor([], like=payloads[0]))
         sizes = [B.numel(p) for p in pieces]
         flight.scatter = hvd.alltoall_async(B.cat(pieces),
                                             splits=torch.tensor(sizes, dtype=torch.int32),
                                             name=flight.name, process_set=ps)
         self._scattering.append(flight)
-        # compress counted each whole payload as sent: what left this rank is the other ranks'
-        # pieces (the framing included); the piece for itself never goes on the wire
+        # compress counted each whole payload as sent: what left this rank is the frames for the
+        # other ranks; the one for itself never goes on the wire
         core.add_wire_bytes(4 * (sum(sizes) - sizes[me] - sum(B.numel(p) for p in payloads)))
         return flight
 
     def _share(self, flight):
         """Phase 2's start (lock held): wait for the alltoall, reduce this rank's region of each
-        tensor some rank sent, start the allgather of the reduced payloads."""
+        tensor some rank sent a part of, start the allgather of the reduced payloads' frame
+        (sent even when empty: every rank receives one frame per owner)."""
         core, B = self._core, self._core.B
         ps = flight.process_set
         world, me = ps.size(), ps.rank()
         out, received = hvd.synchronize(flight.scatter)
         flight.scatter = None
-        core.add_wire_bytes(0, received=4 * (B.numel(out) - int(received[me])))
-        if flight.framed:
-            per_member = wire.split_bucket(B, out, world, len(flight.names), flight.name)
-        else:
-            per_member = [[out]]                      # the N payloads, in rank order
-        c, entries = core.config, []
-        for m, parts in enumerate(per_member):
-            if not parts:                             # no rank sent this member
+        received = received.tolist()
+        core.add_wire_bytes(0, received=4 * (B.numel(out) - received[me]))
+        senders = sum(1 for words in received if words)   # the frames, in rank order
+        entries = []
+        for m, parts in enumerate(wire.split_bucket(B, out, senders, len(flight.names),
+                                                    flight.name)):
+            if not parts:                   # no rank has entries of this tensor in the region
                 continue
-            name, numel = flight.names[m], flight.numels[m]
-            if flight.framed and len(parts) < world:  # a rank sent the bucket without it
-                lo, hi = regions.bounds(numel, world)[me]
-                empty = wire.encode(B, hi - lo, B.empty_indices(like=out), B.zeros(0, like=out),
-                                    0, c.wire_index, c.wire_values)
-                parts = parts + [empty] * (world - len(parts))
-            payload, flight.dropped[m] = core.reduce_region(B.cat(parts), name, numel, me,
-                                                            world)
-            entries.append((m, payload))
-        segment = wire.frame_bucket(B, entries, like=out) if flight.framed else entries[0][1]
+            payload, flight.dropped[m] = core.reduce_region(
+                B.cat(parts), flight.names[m], flight.numels[m], me, world, len(parts))
+            if payload is not None:
+                entries.append((m, payload))
+        segment = wire.frame_bucket(B, entries, like=out)
         flight.words = B.numel(segment)
         flight.share = hvd.allgather_async(segment, name="dgc.kept." + flight.name[len("dgc."):],
                                            process_set=ps)
         core.add_wire_bytes(4 * flight.words)
 
     def _regions_result(self, flight, member):
-        """(the owners' reduced payloads of ``member``, how many, what this rank dropped of it)
-        (lock held). The first call of a step ends phase 1 of every region exchange started so
-        far, in the order they started, each one's allgather started before the next alltoall
-        is waited for (so no rank waits for a collective another rank starts only later)."""
+        """(the owners' reduced payloads of ``member`` in rank order, how many, what this rank
+        dropped of it) (lock held). The first call of a step ends phase 1 of every region
+        exchange started so far, in the order they started, each one's allgather started before
+        the next alltoall is waited for (so no rank waits for a collective that another rank
+        starts only later)."""
         if flight.share is None:
             while self._scattering:
                 head = self._scattering.pop(0)
@@ -311,17 +312,15 @@ class Exchange:
                     raise
             if flight.error is not None:
                 raise flight.error
+        B = self._core.B
         if flight.parts is None:
             gathered = hvd.synchronize(flight.share)
             self._core.count_allgather(gathered.numel(), flight.words)
-            flight.parts = (wire.split_bucket(self._core.B, gathered, flight.process_set.size(),
-                                              len(flight.names), flight.name)
-                            if flight.framed else gathered)
-        dropped = flight.dropped.get(member)
-        if not flight.framed:                       # the N owners' payloads of the tensor
-            return flight.parts, flight.process_set.size(), dropped
+            flight.parts = wire.split_bucket(B, gathered, flight.process_set.size(),
+                                             len(flight.names), flight.name)
+            flight.empty = B.int32_tensor([], like=gathered)
         parts = flight.parts[member]
-        return (self._core.B.cat(parts) if parts else parts), len(parts), dropped
+        return (B.cat(parts) if parts else flight.empty), len(parts), flight.dropped.get(member)
 
     def defer(self, opt, name, grad, param, process_set, pending):
         """Bucketed mode: record a sparsified gradient (checked already) in its bucket.
@@ -426,7 +425,7 @@ class Exchange:
             payloads.append(payload)
         if self.regions:
             launch.handle = self._scatter(_Regions(bucket.name, bucket.members, bucket.numels,
-                                                   True, process_set), members, payloads)
+                                                   process_set), members, payloads)
             return
         framed = list(zip(members, payloads))
         segment = wire.frame_bucket(self._core.B, framed, like=payloads[0])
