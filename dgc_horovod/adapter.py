@@ -6,6 +6,7 @@ reset rule, and :class:`ElasticHandler`, what an elastic state does with a DGC).
 Framework-free: each adapter subclasses :class:`DGCAdapter`, names its Horovod module in ``_hvd``
 and adds Horovod's ``compress`` / ``decompress`` for its framework.
 """
+import difflib
 import functools
 import json
 import logging
@@ -158,6 +159,7 @@ class DGCAdapter:
     _hvd = None          # the adapter's Horovod module (horovod.torch / horovod.tensorflow)
     #: the values of ``DGCConfig.exchange`` this adapter implements
     exchanges = ("allgather",)
+    _own_kwargs = ()     # keyword arguments the adapter takes besides DGCConfig's
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -166,6 +168,7 @@ class DGCAdapter:
                 setattr(cls, name, _InstanceOnly(cls.__dict__[name]))
 
     def __init__(self, config, backend, **kwargs):
+        self._check_kwargs(config, kwargs)
         if config is not None and kwargs:
             raise TypeError("pass either config=DGCConfig(...) or keyword arguments, not both")
         self.config = config if config is not None else DGCConfig(**kwargs)
@@ -180,6 +183,24 @@ class DGCAdapter:
         self._session_lock = threading.Lock()
         self._warned_single = False
         self.resets = 0
+
+    @classmethod
+    def _check_kwargs(cls, config, kwargs):
+        """TypeError, with the right line, for a density passed as the first positional argument
+        (``DGC(0.01)``: that is ``config``) and for an unknown keyword (listing the valid ones)."""
+        name = cls.__name__
+        if config is not None and not isinstance(config, DGCConfig):
+            hint = (f"; to set the density pass it by keyword: {name}(compress_ratio={config!r})"
+                    if isinstance(config, (int, float)) and not isinstance(config, bool) else "")
+            raise TypeError(f"{name}'s first argument is config (a DGCConfig or None), got "
+                            f"{type(config).__name__} {config!r}{hint}")
+        valid = sorted(DGCConfig.DEFAULTS) + ["config", "environ"] + list(cls._own_kwargs)
+        for key in kwargs:
+            if key not in valid:
+                close = difflib.get_close_matches(key, valid, n=1)
+                raise TypeError(f"{name}() got an unexpected keyword argument {key!r}"
+                                + (f" (did you mean {close[0]!r}?)" if close else "")
+                                + f"; the valid ones: {', '.join(valid)}")
 
     # first-step checks -------------------------------------------------------------------
     def _check_momentum(self, name, optimizer, momentum):
@@ -245,7 +266,8 @@ class DGCAdapter:
 
         A plain dict (see :meth:`dgc_horovod.core.DGCCore.state_dict`): config, warm-up epoch,
         every tensor's velocity u, residual v and sparse flag keyed by its name, the
-        threshold-sampling generator state, the cumulative statistics, and the world size and
+        threshold-sampling generator state, the cumulative statistics, the loss scale the
+        residuals are in (``loss_scale``; PyTorch's ``loss_scaler``), and the world size and
         rank of ``process_set`` (default: the global one). Copies, safe to keep. Call it between
         steps. PyTorch: ``torch.load(..., weights_only=True)`` can read it back; a RuntimeError
         in the middle of a step (between ``loss.backward()`` and ``optimizer.step()``).

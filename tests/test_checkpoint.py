@@ -262,7 +262,8 @@ def test_state_dict_contents():
     run_steps([core], 0, 4)
     sd = core.state_dict(world_size=2, rank=1)
     assert set(sd) == {"version", "config", "epoch", "steps", "world_size", "rank", "tensors",
-                       "generator", "total_stats", "step_stats"}
+                       "generator", "total_stats", "step_stats", "loss_scale"}
+    assert sd["loss_scale"] == 1.0
     assert sd["steps"] == 4
     assert set(sd["tensors"]["w"]) == {"numel", "ndim", "sparse", "u", "v", "wd"}
     assert sd["version"] == STATE_DICT_VERSION

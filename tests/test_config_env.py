@@ -115,9 +115,9 @@ BAD = [
     ("nesterov", "maybe", "a boolean: 1, true, yes, on or 0, false, no, off"),
     ("nesterov", "2", "a boolean"),
     ("momentum_masking", "True!", "a boolean"),
-    ("clip_norm", "0", "a float > 0, or none to disable clipping"),
-    ("clip_norm", "-1", "a float > 0"),
-    ("clip_norm", "inf", "a float > 0"),
+    ("clip_norm", "0", "a finite float > 0, or none to disable clipping"),
+    ("clip_norm", "-1", "a finite float > 0"),
+    ("clip_norm", "inf", "a finite float > 0"),
     ("weight_decay", "-1e-4", "a finite float >= 0"),
     ("sample_ratio", "2", "a float in (0, 1]"),
     ("min_sparse_numel", "0", "an int >= 1"),
@@ -194,8 +194,17 @@ def test_cross_check_names_where_values_came_from():
 def test_keyword_errors_still_name_the_argument():
     with pytest.raises(TypeError, match="compress_ratio must be a float in"):
         DGCConfig(compress_ratio="0.01", environ={})
-    with pytest.raises(ValueError, match="clip_norm must be > 0"):
+    with pytest.raises(ValueError, match=r"clip_norm must be a finite number > 0 \(or None"):
         DGCConfig(clip_norm=0, environ={"HOROVOD_DGC_CLIP_NORM": "1"})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value", [0, 0.0, -1, -1.0, float("inf"), float("nan")])
+def test_clip_norm_zero_negative_and_inf_get_one_message(value):
+    with pytest.raises(ValueError) as err:
+        DGCConfig(clip_norm=value, environ={})
+    assert str(err.value) == ("clip_norm must be a finite number > 0 (or None to disable "
+                              f"clipping), got {value!r}")
 
 
 # ------------------------------------------------------------------ precedence and provenance

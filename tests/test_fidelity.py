@@ -354,3 +354,5 @@ def test_statistics_before_the_first_step_say_so():
     assert repr(c.step_stats) == "CompressionStats(no step yet)"
     c.compress("w", np.ones((10, 10), np.float32), 2)
     assert repr(c.step_stats).startswith("CompressionStats(steps=1, tensors=1")
+    seconds = c.step_stats.compress_seconds
+    assert seconds > 0 and f"compress_seconds={seconds:.6g}" in repr(c.step_stats)

@@ -254,3 +254,35 @@ def test_exchange_option():
     assert DGCConfig(environ={"HOROVOD_DGC_EXCHANGE": "Regions"}).exchange == "regions"
     with pytest.raises(ValueError, match="exchange must be one of 'allgather', 'regions'"):
         DGCConfig(exchange="ring", environ={})
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_kept_scratch_gives_the_same_result_and_is_left_zero(backend):
+    B = BACKENDS[backend]
+    rng = np.random.default_rng(5)
+    n, lo, hi = 5000, 2000, 3000
+    parts = []
+    for r in range(3):
+        idx = np.sort(rng.choice(np.arange(hi - lo), 40, replace=False)).astype(np.int64)
+        parts.append(wire.encode(B, hi - lo, to_backend(B, idx),
+                                 to_backend(B, rng.standard_normal(40).astype(F32))))
+    gathered = B.cat(parts)
+    scratch = B.zeros(hi - lo, like=gathered)
+    for _ in range(2):
+        want = regions.reduce_region(B, gathered, n, (lo, hi), 3, 0.01, "w")
+        got = regions.reduce_region(B, gathered, n, (lo, hi), 3, 0.01, "w", scratch=scratch)
+        assert to_np(got[0]).tobytes() == to_np(want[0]).tobytes()
+        for a, b in zip(got[1], want[1]):
+            np.testing.assert_array_equal(to_np(a), to_np(b))
+        assert not to_np(scratch).any()
+    flagged = wire.encode(B, hi - lo, B.empty_indices(like=gathered), B.zeros(0, like=gathered),
+                          wire.FLAG_NONFINITE)
+    regions.reduce_region(B, B.cat([parts[0], flagged]), n, (lo, hi), 2, 0.01, "w",
+                          scratch=scratch)
+    assert not to_np(scratch).any()
+    bad = to_np(parts[1]).copy()
+    bad[0] = 7
+    with pytest.raises(wire.WireFormatError):
+        regions.reduce_region(B, B.cat([parts[0], to_backend(B, bad)]), n, (lo, hi), 2, 0.01,
+                              "w", scratch=scratch)
+    assert not to_np(scratch).any()

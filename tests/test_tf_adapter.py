@@ -50,3 +50,8 @@ def test_uncalled_factory_or_class_shows_the_right_line():
     with pytest.raises(TypeError, match=r"dgc = DGC\("):
         DGC.compress(tf.zeros([3]))
     assert isinstance(Compression.dgc(compress_ratio=0.01), DGC)
+
+
+def test_loss_scaler_is_refused_with_the_reason():
+    with pytest.raises(TypeError, match=r"loss_scaler= is supported by dgc_horovod.torch.DGC only"):
+        DGC(loss_scaler=tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD()))

@@ -29,6 +29,24 @@ def test_wrong_types_name_the_argument(kwargs, arg):
         DGC(**kwargs)
 
 
+def test_a_density_passed_positionally_hints_the_keyword():
+    with pytest.raises(TypeError, match=r"first argument is config .* got float 0.01; to set the "
+                                        r"density pass it by keyword: DGC\(compress_ratio=0.01\)"):
+        DGC(0.01)
+    with pytest.raises(TypeError, match="first argument is config"):
+        DGC("0.01")
+
+
+def test_a_misspelt_keyword_lists_the_valid_ones():
+    with pytest.raises(TypeError) as err:
+        DGC(compres_ratio=0.01)
+    msg = str(err.value)
+    assert "unexpected keyword argument 'compres_ratio' (did you mean 'compress_ratio'?)" in msg
+    assert all(k in msg for k in ("clip_norm", "wire_values", "loss_scaler", "environ"))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'xyz'; the valid ones: "):
+        DGC(xyz=1)
+
+
 def test_config_or_kwargs_not_both():
     with pytest.raises(TypeError, match="either"):
         DGC(config=DGCConfig(), compress_ratio=0.01)

@@ -51,12 +51,15 @@ def global_norm(B, grads):
     return total ** 0.5
 
 
-def clip_by_local_norm(B, g, clip_norm, world_size, average=True):
+def clip_by_local_norm(B, g, clip_norm, world_size, average=True, loss_scale=1.0):
     """Per-tensor local clipping (``clip_scope="tensor"``): the factor that brings g to
-    ‖g‖ ≤ :func:`clip_threshold`. 1.0 when clip_norm is None. g is not modified."""
+    ‖g‖/S ≤ :func:`clip_threshold` (S: the loss scale g carries, 1.0 without a loss scaler;
+    see :meth:`~dgc_horovod.core.compressor.DGCCore.set_loss_scale`). 1.0 when clip_norm is
+    None. g is not modified."""
     if clip_norm is None:
         return 1.0
-    return clip_factor(B.norm(g), clip_threshold(clip_norm, world_size, average))
+    return clip_factor(float(B.norm(g)) / loss_scale,
+                       clip_threshold(clip_norm, world_size, average))
 
 
 def add_weight_decay(B, g, w, weight_decay, scale=1.0):

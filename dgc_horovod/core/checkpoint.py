@@ -15,13 +15,20 @@ from dgc_horovod.core.warmup import density_at
 
 __all__ = ["STATE_DICT_VERSION", "STATE_KEYS", "make", "read", "restore_generator", "FitCheck"]
 
-#: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load).
-STATE_DICT_VERSION = 2
-#: Options added since STATE_DICT_VERSION 2 was introduced, with the value an older checkpoint
-#: (which lacks them) was trained with.
+#: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load). Version 3 added
+#: ``loss_scale``, the loss scale the residuals are in (:meth:`DGCCore.set_loss_scale`); a
+#: version-2 dict still loads, its scale unknown: the next set_loss_scale adopts the scale of
+#: its step without rescaling (what DGC did before version 3: it kept u and v in the units of
+#: the gradients it was handed). Other versions are refused.
+STATE_DICT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
+#: Options added to DGCConfig since version 2, with the value an older checkpoint (which lacks
+#: them) was trained with.
 ADDED_OPTIONS = {"exchange": "allgather"}
 STATE_KEYS = ("version", "config", "epoch", "steps", "world_size", "rank", "tensors",
-              "generator", "total_stats", "step_stats")
+              "generator", "total_stats", "step_stats", "loss_scale")
+#: The keys a version-2 dict lacks.
+ADDED_IN_3 = ("loss_scale",)
 
 
 def _stats_dict(stats):
@@ -39,10 +46,11 @@ def _stats_from(d, key):
     return out
 
 
-def make(B, config, epoch, steps, world_size, rank, states, generator, stats):
+def make(B, config, epoch, steps, world_size, rank, states, generator, stats, loss_scale=1.0):
     """The state dict of :meth:`DGCCore.state_dict` (see there), with copies of the tensors:
     B (Backend), config (DGCConfig), epoch (float), steps (int), world_size / rank (int or None),
-    states ({name: TensorState}), generator (the backend's), stats (StatsRecorder)."""
+    states ({name: TensorState}), generator (the backend's), stats (StatsRecorder), loss_scale
+    (float, or None: unknown)."""
     copy = (lambda t: None if t is None else B.state_copy(t))
     tensors = {name: {"numel": st.numel, "ndim": st.ndim, "sparse": st.sparse,
                       "u": copy(st.u), "v": copy(st.v), "wd": copy(st.wd)}
@@ -58,6 +66,7 @@ def make(B, config, epoch, steps, world_size, rank, states, generator, stats):
         "generator": B.generator_state(generator),
         "total_stats": _stats_dict(stats.total),
         "step_stats": _stats_dict(stats.step),
+        "loss_scale": loss_scale,
     }
 
 
@@ -66,21 +75,31 @@ def read(B, config, state_dict, world_size=None, rank=None, reset_residuals=Fals
     (:func:`restore_generator`); changes nothing.
 
     Returns:
-        (tensors, epoch, steps, stats): tensors {name: (numel, sparse, u, v, ndim, wd)}, the
-        arguments of a TensorState after its name, with u, v and wd flat float32 tensors of the
-        backend or None ({} with reset_residuals); epoch (float); steps (int); stats (a
-        StatsRecorder holding the saved counters).
+        (tensors, epoch, steps, stats, loss_scale): tensors {name: (numel, sparse, u, v, ndim,
+        wd)}, the arguments of a TensorState after its name, with u, v and wd flat float32
+        tensors of the backend or None ({} with reset_residuals); epoch (float); steps (int);
+        stats (a StatsRecorder holding the saved counters); loss_scale (float, or None for a
+        version-2 dict: unknown).
     Raises:
         TypeError, ValueError: as :meth:`DGCCore.load_state_dict`.
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"DGC state_dict must be a dict, got {type(state_dict).__name__}")
-    missing = [k for k in STATE_KEYS if k not in state_dict]
+    version = state_dict.get("version")
+    keys = STATE_KEYS if version != 2 else [k for k in STATE_KEYS if k not in ADDED_IN_3]
+    missing = [k for k in keys if k not in state_dict]
     if missing:
         raise ValueError(f"not a DGC state_dict: missing key(s) {', '.join(missing)}")
-    if state_dict["version"] != STATE_DICT_VERSION:
-        raise ValueError(f"DGC state_dict version {state_dict['version']!r} is not supported "
-                         f"(this dgc_horovod writes and reads version {STATE_DICT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"DGC state_dict version {version!r} is not supported (this "
+                         f"dgc_horovod writes version {STATE_DICT_VERSION} and reads versions "
+                         f"{', '.join(map(str, READABLE_VERSIONS))})")
+    loss_scale = state_dict.get("loss_scale")
+    if loss_scale is not None and (isinstance(loss_scale, bool)
+                                   or not isinstance(loss_scale, (int, float))
+                                   or not 0.0 < loss_scale < float("inf")):
+        raise ValueError(f"DGC state_dict 'loss_scale' must be a finite number > 0 (or None), "
+                         f"got {loss_scale!r}")
     saved, now = state_dict["config"], config.to_dict()
     if not isinstance(saved, dict):
         raise ValueError("DGC state_dict 'config' must be a dict (DGCConfig.to_dict())")
@@ -117,7 +136,8 @@ def read(B, config, state_dict, world_size=None, rank=None, reset_residuals=Fals
         raise ValueError(f"DGC state_dict 'steps' must be an int >= 0, got {steps!r}")
     tensors = {} if reset_residuals else _tensors_from(B, config, state_dict["tensors"])
     total, step = (_stats_from(state_dict[k], k) for k in ("total_stats", "step_stats"))
-    return tensors, float(state_dict["epoch"]), steps, StatsRecorder(step, total)
+    return (tensors, float(state_dict["epoch"]), steps, StatsRecorder(step, total),
+            None if loss_scale is None else float(loss_scale))
 
 
 def _tensors_from(B, c, tensors):

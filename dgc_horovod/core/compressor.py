@@ -56,15 +56,46 @@ tensor, and the ranks that did not overflow put back the entries they sent. The 
 overflowed drops the tensor's state instead: its u and v restart at zero, as after an elastic
 reset (a one-off loss of that tensor's unsent gradient on that rank). A loss scaler (torch.amp
 GradScaler, Keras LossScaleOptimizer) therefore skips the step and backs off, and no NaN/Inf
-enters u or v. Why drop: backing off shrinks the next gradients, but u and v hold what was
-accumulated at the old scale; kept (even with only the overflowed entries removed), they
-overflow again at the next steps whatever the new scale (momentum decays by m per step only),
-and the scaler backs off step after step while training stands still. Values
+enters u or v. Why drop: backing off shrinks the next gradients, but (without
+:meth:`DGCCore.set_loss_scale`) u and v hold what was accumulated at the old scale; kept (even
+with only the overflowed entries removed), they overflow again at the next steps whatever the
+new scale (momentum decays by m per step only), and the scaler backs off step after step while
+training stands still. (With set_loss_scale the other tensors' states follow the scale down;
+the overflowed tensor's state is still dropped on the rank that overflowed.) Values
 that float16 rounds to 0 (|v| <= 2**-25) are sent as 0 and stay in the residual. Both are
 counted in the statistics (``overflowed_entries``, ``flushed_entries``), each with a one-time
 warning naming the tensor. On the other ranks a skipped step's accumulation is kept (u and v
 hold this step's gradient; only the sent entries are put back): their state is not rolled back
 to before the step.
+
+Loss scaling (mixed precision; the PyTorch adapter's ``DGC(loss_scaler=...)`` calls
+:meth:`DGCCore.set_loss_scale` once per step, before the step's first compress). Under a loss
+scaler the gradient handed to DGC at step t is S_t·g_t (S_t: the step's loss scale, g_t: the
+gradient of the loss itself), and the optimizer receives the exchanged update divided by S_t
+(GradScaler.unscale_). DGC keeps every tensor's state in the units of the scale it was
+accumulated at, :attr:`DGCCore.loss_scale` S: with u, v, b the state of the unscaled algorithm
+(b: the separate weight decay's buffer), the core holds S·u, S·v, S·b. At a step whose scale
+differs, set_loss_scale first multiplies each of them by S_t/S; then, with c_t the clipping
+factor and T the clipping threshold,
+
+    S_t·u_t = m·(S_t·u_{t−1}) + c_t·(S_t·g_t) + (λ·S_t)·w    =  S_t·(m·u_{t−1} + c_t·g_t + λ·w)
+    S_t·v_t = S_t·v_{t−1} + S_t·u_t                           =  S_t·(v_{t−1} + u_t)
+    c_t     = min(1, T / (‖S_t·g_t‖/S_t + ε))                  (the threshold is T·S_t)
+    S_t·b_t = m·(S_t·b_{t−1}) + (λ·S_t)·w                     (weight_decay_mode "separate")
+
+(λ·w only with weight decay, in the mode's place). Momentum correction, the residual, top-k of
+|v|, the exchange and the average are linear or scale-invariant, so every value sent and the
+decoded update are S_t times the unscaled algorithm's, and after the division by S_t the
+optimizer receives the update DGC would give without a loss scaler. GradScaler's scales are
+powers of two (init 2**16, halved or doubled), so each of these products is exact in floating
+point (barring float32 over/underflow) and the update is bit-identical to training without a
+scaler. Why the state follows the scale instead of being kept unscaled (each gradient divided
+by S_t on entry): the rescaling pass runs only when the scale changes (a back-off, or a growth
+every growth_interval steps), not every step, and the values sent stay those of the scaled
+gradient, so float16 wire values overflow exactly when the scale is too large for float16, as a
+dense float16 exchange would, and the scaler sees it. A tensor whose state the rescaling makes
+non-finite (float32 overflow after a growth) is dropped (u, v, b restart at zero, one warning),
+as on a float16 overflow, so no NaN/Inf enters u or v. Without set_loss_scale, S = 1.
 """
 import threading
 import time
@@ -82,6 +113,8 @@ from dgc_horovod.core.warmup import density_at, density_at_step
 from dgc_horovod.core import checkpoint, kernels, regions, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
+
+_INF = float("inf")
 
 #: The smallest magnitude a float16 cast rounds to ±inf (float16's largest value is 65504).
 FP16_OVERFLOW = 65520.0
@@ -163,12 +196,16 @@ class DGCCore:
         self.epoch = 0.0
         self._generator = backend.generator(config.seed)
         self._lock = threading.Lock()
+        self._region_sums = {}      # exchange="regions": name -> zeros of this rank's region
         self._stats = StatsRecorder()
         self.use_kernels = kernels.available() and backend.kernel_fma() is not None
         self._steps = 0         # optimizer steps begun (the warm-up position counts them)
         self._epoch_set = False
         self._warned = set()
         self._fit = FitCheck()  # after load_state_dict: the loaded names (check_fit)
+        # the loss scale the state is in (set_loss_scale); None: unknown (a version-2
+        # checkpoint), the next set_loss_scale adopts its scale without rescaling
+        self._loss_scale = 1.0
 
     # the statistics, counted by the core's StatsRecorder
     step_stats = property(lambda self: self._stats.step, doc=(
@@ -264,14 +301,17 @@ class DGCCore:
                 residuals are per rank, so :meth:`load_state_dict` checks them.
         Returns:
             dict with keys: version (STATE_DICT_VERSION), config (DGCConfig.to_dict()), epoch,
-            steps (optimizer steps begun: the warm-up position), world_size, rank, tensors
+            steps (optimizer steps begun: the warm-up position), loss_scale (the loss scale u, v
+            and wd are in, :meth:`set_loss_scale`; None after loading a version-2 checkpoint,
+            until the next set_loss_scale), world_size, rank, tensors
             ({name: {numel, ndim, sparse, u, v, wd}}; u is None with momentum 0, v is None for
             dense tensors, wd is the separate weight decay's momentum buffer or None), generator (the threshold-sampling generator's state),
             total_stats and step_stats (CompressionStats counters as dicts).
         """
         with self._lock:
             return checkpoint.make(self.B, self.config, self.epoch, self._steps, world_size,
-                                   rank, self.states, self._generator, self._stats)
+                                   rank, self.states, self._generator, self._stats,
+                                   self._loss_scale)
 
     def load_state_dict(self, state_dict, world_size=None, rank=None, reset_residuals=False):
         """Restore what :meth:`state_dict` returned; all checks run before anything changes.
@@ -296,8 +336,8 @@ class DGCCore:
         parameter compressed without a loaded state, raises a ValueError there naming a few of
         each (:meth:`check_fit`), until the checkpoint is loaded with reset_residuals=True.
         """
-        tensors, epoch, steps, stats = checkpoint.read(self.B, self.config, state_dict,
-                                                       world_size, rank, reset_residuals)
+        tensors, epoch, steps, stats, loss_scale = checkpoint.read(
+            self.B, self.config, state_dict, world_size, rank, reset_residuals)
         with self._lock:
             checkpoint.restore_generator(self.B, self._generator, state_dict["generator"])
             self.states = {name: TensorState(name, *t) for name, t in tensors.items()}
@@ -305,6 +345,7 @@ class DGCCore:
             self._steps = steps
             self._stats = stats
             self._fit = FitCheck(tensors)
+            self._loss_scale = loss_scale
 
     @property
     def fit_pending(self):
@@ -412,11 +453,12 @@ class DGCCore:
         if c.clip_norm is None:
             scale = 1.0
         elif c.clip_scope == "tensor":
-            scale = clip_by_local_norm(B, g, c.clip_norm, world_size, average)
+            scale = clip_by_local_norm(B, g, c.clip_norm, world_size, average, self.loss_scale)
         else:
             scale = float(clip_scale)
         if self.needs_param:
-            return add_weight_decay(B, g, B.float32_view(param), c.weight_decay, scale), 1.0
+            return add_weight_decay(B, g, B.float32_view(param),
+                                    c.weight_decay * self.loss_scale, scale), 1.0
         return g, scale
 
     @property
@@ -456,19 +498,69 @@ class DGCCore:
         NaN/Inf left out, see :func:`~dgc_horovod.core.accumulate.global_norm`) and T the
         threshold of :func:`~dgc_horovod.core.accumulate.clip_threshold` (C·√N under Average,
         C/√N under Sum). On iid gradients this clips as often and as much as a dense
-        ``clip_grad_norm_(C)`` of the averaged gradient. 1.0 when clip_norm is None.
+        ``clip_grad_norm_(C)`` of the averaged gradient. 1.0 when clip_norm is None. Under a
+        loss scale S (:meth:`set_loss_scale`) the unscaled norm ‖G_k‖/S is compared with T.
         """
         c = self.config
         if c.clip_norm is None:
             return 1.0
-        return clip_factor(global_norm(self.B, grads), clip_threshold(c.clip_norm, world_size,
-                                                                      average))
+        return clip_factor(global_norm(self.B, grads) / self.loss_scale,
+                           clip_threshold(c.clip_norm, world_size, average))
+
+    @property
+    def loss_scale(self):
+        """The loss scale S the state (u, v, wd) is in and the gradients of the current step
+        carry: 1.0 unless :meth:`set_loss_scale` set another (see the module docstring)."""
+        s = self._loss_scale
+        return 1.0 if s is None else s
+
+    def set_loss_scale(self, scale):
+        """Tell DGC the loss scale S_t of the step about to begin (a loss scaler's current
+        scale); call it between steps, before the step's first compress, on every rank alike.
+
+        When S_t differs from :attr:`loss_scale` S, every tensor's u, v and wd are multiplied by
+        S_t/S (exact when both are powers of two), so the state is in the units of the step's
+        gradients; clipping compares the unscaled norm (threshold T·S_t) and weight decay adds
+        λ·S_t·w. After a division by S_t (GradScaler.unscale_) the update is then the one DGC
+        gives without loss scaling (the equations: the module docstring). A tensor whose state
+        becomes non-finite is dropped (zeroed, one warning). After loading a version-2
+        checkpoint (no recorded scale) the first call adopts S_t without rescaling.
+
+        Args: scale (float): S_t, a finite number > 0.
+        Raises: ValueError: scale is not a finite number > 0 (nothing changes).
+        """
+        try:
+            value = float(scale) if not isinstance(scale, (bool, str)) else None
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not 0.0 < value < _INF:
+            raise ValueError(f"DGC: the loss scale must be a finite number > 0, got "
+                             f"{type(scale).__name__} {scale!r}")
+        scale = value
+        B = self.B
+        with self._lock:
+            previous, self._loss_scale = self._loss_scale, scale
+            if previous is None or previous == scale:
+                return
+            ratio = scale / previous
+            for st in self.states.values():
+                kept = [t for t in (st.u, st.v, st.wd) if t is not None]
+                for t in kept:
+                    B.mul_(t, ratio)
+                if not all(B.all_finite(t) for t in kept):
+                    for t in kept:
+                        B.zero_(t)
+                    self._warn_once("rescale_overflow", (
+                        f"DGC: rescaling the state of {st.name!r} from loss scale {previous:g} "
+                        f"to {scale:g} overflowed float32: its u and v restart at zero (a "
+                        "one-off loss of its unsent gradient on this rank)"))
 
     def apply_weight_decay(self, name, update, param):
         """``weight_decay_mode="separate"``: add the weight decay term to the exchanged update of
         ``name`` in place (:func:`~dgc_horovod.core.accumulate.weight_decay_momentum`: its own
-        momentum buffer b ← m·b + λ·w, update += b) and return it; a no-op otherwise, and for a
-        non-finite update (a step a loss scaler will skip leaves b untouched).
+        momentum buffer b ← m·b + λ·w, update += b; λ·S·w under a loss scale S,
+        :meth:`set_loss_scale`) and return it; a no-op otherwise, and for a non-finite update (a
+        step a loss scaler will skip leaves b untouched).
 
         Args: name (str): a tensor compressed this step. update: flat float32 tensor (the
             decompressed average, or the dense allreduce result). param: the parameter.
@@ -486,8 +578,8 @@ class DGCCore:
             st = self.states[name]
             if st.wd is None and c.momentum > 0:
                 st.wd = B.zeros(st.numel, like=update)
-            return weight_decay_momentum(B, update, st.wd, w, c.weight_decay, c.momentum,
-                                         c.nesterov)
+            return weight_decay_momentum(B, update, st.wd, w, c.weight_decay * self.loss_scale,
+                                         c.momentum, c.nesterov)
 
     def _nonfinite(self, st, g, t0, drawn):
         """What compress returns for a gradient g with NaN/Inf (st's state is not touched): a
@@ -823,10 +915,13 @@ class DGCCore:
         to hand to :meth:`decompress`). ``gathered``: the ``count`` (default N) payloads the
         ranks sent for the region (alltoall), in rank order."""
         c = self.config
-        region = regions.bounds(numel, world_size)[rank]
-        return regions.reduce_region(self.B, gathered, numel, region,
+        lo, hi = regions.bounds(numel, world_size)[rank]
+        scratch = self._region_sums.get(name)
+        if scratch is None or self.B.numel(scratch) != hi - lo:     # kept zero between calls
+            scratch = self._region_sums[name] = self.B.zeros(hi - lo, like=gathered)
+        return regions.reduce_region(self.B, gathered, numel, (lo, hi),
                                      world_size if count is None else count, self.density, name,
-                                     c.wire_index, c.wire_values)
+                                     c.wire_index, c.wire_values, scratch)
 
     def keep_unapplied(self, ctx, summed, dropped):
         """``exchange="regions"``, after a finite step (step 5 of :mod:`dgc_horovod.core.regions`):

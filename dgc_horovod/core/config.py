@@ -58,10 +58,14 @@ def _check_choice(name, value, choices):
 
 
 def _clip_norm(name, value):
-    value = _check_nonneg(name, value, allow_none=True)
-    if value == 0.0:
-        raise ValueError(f"{name} must be > 0 (or None to disable clipping), got 0")
-    return value
+    try:
+        checked = _check_nonneg(name, value, allow_none=True)
+    except ValueError:
+        checked = 0.0                       # < 0, inf or NaN: refused as 0 is, in one message
+    if checked == 0.0:
+        raise ValueError(f"{name} must be a finite number > 0 (or None to disable clipping), "
+                         f"got {value!r}")
+    return checked
 
 
 def _parse_bool(text):
@@ -95,7 +99,7 @@ _OPTIONS = {
     "nesterov": (False, _check_bool, _parse_bool, _BOOL_FORM),
     "momentum_masking": (True, _check_bool, _parse_bool, _BOOL_FORM),
     "clip_norm": (None, _clip_norm, _parse_optional_float,
-                  "a float > 0, or none to disable clipping"),
+                  "a finite float > 0, or none to disable clipping"),
     "clip_scope": ("global", lambda n, v: _check_choice(n, v, _CLIP_SCOPES), str.lower,
                    "one of global, tensor"),
     "weight_decay": (0.0, _check_nonneg, float, "a finite float >= 0"),

@@ -104,7 +104,7 @@ def _unique_sorted(B, idx):
 
 
 def reduce_region(B, gathered, numel, region, count, density, name="<tensor>",
-                  index="delta16", value_dtype="float32"):
+                  index="delta16", value_dtype="float32", scratch=None):
     """Steps 3 and 4 on the region's owner: sum the N ranks' payloads for its region (what the
     alltoall brought, in rank order), keep the k_j largest magnitudes of the sum.
 
@@ -115,6 +115,9 @@ def reduce_region(B, gathered, numel, region, count, density, name="<tensor>",
         count (int): payloads in ``gathered`` (0 to N).
         density (float): ρ of the step (the warm-up's). name (str): for error messages.
         index, value_dtype: the encodings of the payload this returns.
+        scratch: None, or a flat float32 tensor of hi − lo zeros to sum into; it is all zeros
+            again on return (only the positions written are cleared), so a caller that keeps it
+            sums a region in O(entries) instead of allocating and zeroing hi − lo elements.
     Returns:
         (payload, dropped): the flat int32 payload of (K_j, S_j[K_j]) with absolute positions
         (numel = the whole tensor; flagged FLAG_NONFINITE and empty when any contribution was
@@ -127,13 +130,28 @@ def reduce_region(B, gathered, numel, region, count, density, name="<tensor>",
     """
     lo, hi = region
     positions = []
-    s, nonfinite = wire.decode_sum(B, gathered, hi - lo, count, name, positions)
+    try:
+        s, nonfinite = wire.decode_sum(B, gathered, hi - lo, count, name, positions, scratch,
+                                       out_is_zero=scratch is not None)
+    except BaseException:
+        if scratch is not None:             # a malformed payload after some were summed
+            B.zero_(scratch)
+        raise
     empty = B.empty_indices(like=gathered)
-    if nonfinite:
-        return wire.encode(B, numel, empty, B.zeros(0, like=gathered), wire.FLAG_NONFINITE,
-                           index, value_dtype), None
-    cand = _unique_sorted(B, B.cat(positions)) if positions else empty
-    cand = B.drop_zeros(cand, B.abs(B.take(s, cand)))
+    touched = _unique_sorted(B, B.cat(positions)) if positions else empty
+    try:
+        if nonfinite:
+            return wire.encode(B, numel, empty, B.zeros(0, like=gathered), wire.FLAG_NONFINITE,
+                               index, value_dtype), None
+        return _keep(B, s, touched, numel, lo, hi, density, index, value_dtype)
+    finally:
+        if scratch is not None and B.numel(touched):
+            B.fill_at_(scratch, touched, 0.0)
+
+
+def _keep(B, s, touched, numel, lo, hi, density, index, value_dtype):
+    """Step 3's selection on the region's sum ``s`` (non-zero only at ``touched``)."""
+    cand = B.drop_zeros(touched, B.abs(B.take(s, touched)))
     if not B.numel(cand):
         return None, None
     k = k_for(hi - lo, density)
@@ -146,7 +164,7 @@ def reduce_region(B, gathered, numel, region, count, density, name="<tensor>",
         kept_vals = B.take(s, keep)
         B.fill_at_(s, keep, 0.0)
         rest = B.drop_zeros(cand, B.abs(B.take(s, cand)))
-        dropped = (rest + lo, B.take(s, rest))
+        dropped = (rest + lo, B.take(s, rest))     # copies: s may be a scratch buffer
     else:
         keep, kept_vals = cand, B.take(s, cand)
     if value_dtype == "float16":    # the rounding error stays in the residual, as on the sender

@@ -92,7 +92,8 @@ class CompressionStats:
                 f"selected={self.selected}/{self.elements}, wire_bytes={self.wire_bytes}, "
                 f"received_bytes={self.received_bytes}, dense_bytes={self.dense_bytes}, "
                 f"ratio={self.ratio:.1f}x, received_ratio={self.received_ratio:.1f}x, "
-                f"density={self.density:.6g}, nonfinite_tensors={self.nonfinite_tensors}{fp16})")
+                f"density={self.density:.6g}, nonfinite_tensors={self.nonfinite_tensors}, "
+                f"compress_seconds={self.compress_seconds:.6g}{fp16})")
 
 
 def _allreduced_bytes(st):

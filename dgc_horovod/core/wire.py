@@ -165,7 +165,8 @@ def read_payload(B, words, pos, numel, name="<tensor>", rank=0):
     return idx, vals, flags, index, values, end
 
 
-def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None, out=None):
+def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None, out=None,
+               out_is_zero=False):
     """Sum the sparse contributions of all ranks into a dense float32 tensor, in rank order.
 
     Every rank runs the same additions in the same order (rank 0 first), so the result is
@@ -179,6 +180,8 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None, 
             is appended to it: together they are every position that may be non-zero.
         out: None (a new tensor), or a flat float32 tensor of numel elements to zero and sum
             into (the caller's gradient storage: no allocation); checked before it is touched.
+        out_is_zero (bool): ``out`` is all zeros already (a kept scratch buffer): not zeroed
+            again, so the decode costs O(entries), not O(numel).
     Returns:
         (dense, nonfinite): flat float32 tensor of numel elements (the sum, not the mean), and
         True if any rank flagged a non-finite gradient or sent a float16 value beyond float16's
@@ -190,7 +193,8 @@ def decode_sum(B, gathered, numel, world_size, name="<tensor>", positions=None, 
     total = B.numel(gathered)
     if out is not None and B.numel(out) != numel:
         raise ValueError(f"decode_sum: out has {B.numel(out)} elements, tensor {name!r} {numel}")
-    dense = B.zeros(numel, like=gathered) if out is None else B.zero_(out)
+    dense = B.zeros(numel, like=gathered) if out is None else (out if out_is_zero
+                                                                  else B.zero_(out))
     nonfinite = False
     pos = 0
     for rank in range(world_size):

@@ -78,6 +78,13 @@ class DGC(DGCAdapter, Compressor):
     _hvd = hvd
 
     def __init__(self, config=None, **kwargs):
+        if "loss_scaler" in kwargs:
+            raise TypeError(
+                "loss_scaler= is supported by dgc_horovod.torch.DGC only: the TensorFlow DGC "
+                "cannot follow a Keras LossScaleOptimizer's scale (it changes inside the traced "
+                "training step). Under a LossScaleOptimizer DGC sees the scaled gradients: keep "
+                "clip_norm unset and weight decay in the optimizer (docs/reliability.md, "
+                "\"Mixed precision\")")
         super().__init__(config, TFBackend(), **kwargs)
         self._names = StateNames()
         self._pending = {}      # between compress and decompress: name -> (ctx, words, world)

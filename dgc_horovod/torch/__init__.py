@@ -71,6 +71,17 @@ class DGC(DGCAdapter, Compressor):
     and restores this object with the model (see :mod:`dgc_horovod.torch.elastic`); at every
     reset each rank drops its velocities and residuals (:meth:`on_reset`).
 
+    Mixed precision: pass the loss scaler, ``DGC(..., loss_scaler=scaler)`` with
+    ``scaler = torch.amp.GradScaler()`` (or any object whose ``get_scale()`` returns the current
+    loss scale as a number), and use the GradScaler pattern of docs/usage.md. DGC then reads the
+    scale once per step, at the step's first gradient, and keeps its velocities and residuals in
+    the units of that scale: when the scaler backs off or grows, they are rescaled by
+    new / old, clipping compares the unscaled norm with ``clip_norm`` and weight decay adds
+    λ·scale·w, so that after ``scaler.unscale_(opt)`` the update is the one DGC gives without a
+    loss scaler (bit-identical with GradScaler's power-of-two scales; the equations:
+    :mod:`dgc_horovod.core.compressor`). Without ``loss_scaler`` DGC works on the scaled
+    gradients as they come: its state is then wrong by old / new after every change of scale.
+
     Attributes: config (DGCConfig), stats (the most recent step's CompressionStats of this rank:
     elements selected, wire bytes, dense bytes, ratio), total_stats (cumulative), density (in
     force: warm-up), resets (how many times the elastic reset rule was applied here,
@@ -84,9 +95,14 @@ class DGC(DGCAdapter, Compressor):
 
     _hvd = hvd
     exchanges = ("allgather", "regions")
+    _own_kwargs = ("loss_scaler",)
 
-    def __init__(self, config=None, **kwargs):
+    def __init__(self, config=None, loss_scaler=None, **kwargs):
+        if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
+            raise TypeError(f"loss_scaler must be a loss scaler with a get_scale() method (e.g. "
+                            f"torch.amp.GradScaler()) or None, got {type(loss_scaler).__name__}")
         super().__init__(config, TorchBackend(), **kwargs)
+        self._loss_scaler = loss_scaler
         self._exchange = Exchange(self._core, self.config.bucket_numel)
         self._checked = set()
         self._optimizer = None          # weak reference to the one optimizer this DGC serves
@@ -106,6 +122,8 @@ class DGC(DGCAdapter, Compressor):
         """
         opt, p, name = find_parameter(tensor, self)
         self._follow_horovod()
+        if self._loss_scaler is not None and self._exchange.idle:    # the step's first gradient
+            self._read_loss_scale()
         if self._core.fit_pending:                  # the first step after load_state_dict
             self._core.check_fit(opt._parameter_names.values())
         if name not in self._checked:
@@ -157,6 +175,16 @@ class DGC(DGCAdapter, Compressor):
                                     None if ctx.out is None else ctx.out.view(-1), dropped)
         dense = core.apply_weight_decay(ctx.name, dense, ctx.param)
         return dense.view(ctx.shape).to(ctx.dtype)
+
+    def _read_loss_scale(self):
+        """Hand the loss scaler's current scale to the core (which rescales the state when it
+        changed): once per step, before the step's first gradient is accumulated."""
+        scale = self._loss_scaler.get_scale()
+        try:
+            self._core.set_loss_scale(scale)
+        except ValueError:
+            raise ValueError(f"DGC: loss_scaler.get_scale() must return a finite number > 0, "
+                             f"got {scale!r}") from None
 
     def _check(self, opt, p, name):
         """A parameter's first step: one optimizer per DGC, momentum not applied twice."""

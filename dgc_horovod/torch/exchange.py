@@ -195,10 +195,15 @@ class Exchange:
         """RuntimeError when a step is in progress, i.e. between a tensor's send (or defer, or
         :meth:`hold`) and its receive (or :meth:`release`); from backward() to optimizer.step()
         the residuals already hold this step's accumulation, the model not."""
-        if self._outstanding > 0:
+        if not self.idle:
             raise RuntimeError(f"DGC: {what} in the middle of a step (between loss.backward() and "
                                f"optimizer.step(): the residuals already hold this step's "
                                f"gradient, the parameters do not yet); {when}")
+
+    @property
+    def idle(self):
+        """True between steps: every tensor sent (or deferred, or held) has been received."""
+        return self._outstanding == 0
 
     def hold(self):
         """A dense tensor was compressed (its velocity updated) and is on Horovod's allreduce."""

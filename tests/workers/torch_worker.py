@@ -391,26 +391,29 @@ def scenario_misuse(results, prefix):
     results["misuse"] = out
 
 
-def main():
+def run_scenarios(scenarios):
+    """The workers' main: --out PATH, hvd.init(), one intra-op thread, each
+    ``scenario(results, prefix)`` of ``scenarios`` in order; rank 0 writes the results."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     results = {"size": hvd.size()}
-    scenario_identical(results, "id")
-    scenario_compress_many(results, "cm")
-    scenario_equivalence(results, "eq")
-    scenario_wire(results, "wire")
-    scenario_nonfinite(results, "nf")
-    scenario_fp16_overflow(results, "fp16")
-    scenario_momentum_twice(results, "mt")
-    scenario_model_mismatch(results, "mm")
-    scenario_misuse(results, "mu")
+    for scenario, prefix in scenarios:
+        scenario(results, prefix)
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     sys.stdout.flush()
+
+
+def main():
+    run_scenarios([(scenario_identical, "id"), (scenario_compress_many, "cm"),
+                   (scenario_equivalence, "eq"), (scenario_wire, "wire"),
+                   (scenario_nonfinite, "nf"), (scenario_fp16_overflow, "fp16"),
+                   (scenario_momentum_twice, "mt"), (scenario_model_mismatch, "mm"),
+                   (scenario_misuse, "mu")])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""DGC(loss_scaler=GradScaler) under `horovodrun -np 2` (Gloo and MPI): the documented GradScaler
+pattern trains as DGC does without loss scaling (tests/workers/scaler_worker.py records it).
+
+The unit check of the same rule on DGCCore: tests/test_loss_scale.py.
+"""
+import json
+
+import pytest
+
+from conftest import horovodrun
+
+pytestmark = pytest.mark.horovodrun
+
+SETTINGS = ["plain", "clip_global", "clip_tensor", "weight_decay_separate",
+            "weight_decay_accumulated"]
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param) / "results.json"
+    horovodrun(["tests/workers/scaler_worker.py", "--out", str(out)], launcher=request.param)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_grad_scaler_with_backoff_and_growth_gives_the_unscaled_parameters(run, setting):
+    """GradScaler(init_scale=2**10, growth_interval=3), rank 1's loss inf at step 4: the scale
+    grows, backs off and grows again; DGC's parameters are bit-identical to those of DGC without
+    loss scaling (the same step skipped), with clipping and weight decay too."""
+    r = run["equal"][setting]
+    scales = r["scales"]
+    assert any(b < a for a, b in zip(scales, scales[1:]))          # a back-off
+    assert any(b > a for a, b in zip(scales, scales[1:]))          # a growth
+    assert r["stepped"] == [step != 4 for step in range(12)]
+    assert r["equal"], f"max |difference| {r['max_abs_diff']}"
+    assert r["identical"] and r["loss_scale"] == scales[-1]
+    assert r["differs_from_plain"] == (setting != "plain")         # the setting is in effect
+
+
+def test_float16_wire_at_scale_2_24_does_not_diverge(run):
+    """The trial's case: wire_values="float16", GradScaler(init_scale=2**24). The scaler backs
+    off while DGC's values overflow float16; with loss_scaler the loss then stays where Horovod's
+    own float16 compression keeps it (without, the stale state blew it up: docs/reliability.md)."""
+    r = run["divergence"]
+    dgc, ref = r["with_loss_scaler"], r["horovod_fp16"]
+    assert dgc["identical"] and dgc["finite"]
+    assert dgc["scales"][-1] < 2.0 ** 20 and not all(dgc["stepped"])   # it backed off
+    first = dgc["losses"][0]
+    tail = sum(dgc["losses"][-20:]) / 20
+    ref_tail = sum(ref["losses"][-20:]) / 20
+    assert max(dgc["losses"]) < 1.5 * first, dgc["losses"]
+    assert tail < 1.1 * ref_tail, (tail, ref_tail)
