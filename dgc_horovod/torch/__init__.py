@@ -21,7 +21,10 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   bucket's last sparsified member arrives, overlapping with the rest of backward) or, with
   ``bucket_numel=0``, one per tensor (``dgc.<parameter name>``); Horovod's own allreduce carries a
   1-element zero placeholder for it. ``decompress`` sums every rank's entries in rank order
-  (bit-identical on every rank) and divides by the world size for ``op=hvd.Average``. Tensors
+  (bit-identical on every rank) and divides by the world size for ``op=hvd.Average``. With
+  ``exchange="regions"`` each allgather becomes an ``hvd.alltoall_async`` (rank j receives every
+  rank's entries in its region j of each tensor) and an allgather of what each region's owner
+  kept of the sum: per-rank traffic about 2k instead of (N − 1)·k (docs/scaling.md). Tensors
   that are not sparsified (1-D by default) go through Horovod's dense allreduce as their
   momentum-corrected velocity. With global clipping (``clip_norm``, ``clip_scope="global"``)
   every gradient waits for the step's last one, so the exchange no longer overlaps with backward.
