@@ -21,7 +21,10 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   bucket's last sparsified member arrives, overlapping with the rest of backward) or, with
   ``bucket_numel=0``, one per tensor (``dgc.<parameter name>``); Horovod's own allreduce carries a
   1-element zero placeholder for it. ``decompress`` sums every rank's entries in rank order
-  (bit-identical on every rank) and divides by the world size for ``op=hvd.Average``. Tensors
+  (bit-identical on every rank) and divides by the world size for ``op=hvd.Average``. With
+  ``exchange="regions"`` each allgather becomes an ``hvd.alltoall_async`` (rank j receives every
+  rank's entries in its region j of each tensor) and an allgather of what each region's owner
+  kept of the sum: per-rank traffic about 2k instead of (N − 1)·k (docs/scaling.md). Tensors
   that are not sparsified (1-D by default) go through Horovod's dense allreduce as their
   momentum-corrected velocity. With global clipping (``clip_norm``, ``clip_scope="global"``)
   every gradient waits for the step's last one, so the exchange no longer overlaps with backward.
@@ -94,6 +97,7 @@ class DGC(DGCAdapter, Compressor):
     """
 
     _hvd = hvd
+    exchanges = ("allgather", "regions")
     _own_kwargs = ("loss_scaler",)
 
     def __init__(self, config=None, loss_scaler=None, **kwargs):
@@ -152,7 +156,7 @@ class DGC(DGCAdapter, Compressor):
         if kind == "dense":
             exchange.hold()
             return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)
-        ticket = exchange.send(name, out, process_set)
+        ticket = exchange.send(name, out, process_set, core_ctx.numel)
         ctx = Pending(ticket, core_ctx, tensor.shape, tensor.dtype, world, average, name, param,
                       out=into)
         return tensor.new_zeros(1, dtype=torch.float32), ctx
@@ -166,12 +170,12 @@ class DGC(DGCAdapter, Compressor):
             shape, dtype, name, param = ctx
             self._exchange.release()
             return core.apply_weight_decay(name, tensor.view(-1), param).view(shape).to(dtype)
-        gathered, ranks = self._exchange.receive(ctx.handle, ctx.world_size)
+        gathered, ranks, dropped = self._exchange.receive(ctx.handle, ctx.world_size)
         if ctx.dense:                         # gated: reduced by DGC's own allreduce
             dense = gathered.view(-1)
         else:
             dense = core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks,
-                                    None if ctx.out is None else ctx.out.view(-1))
+                                    None if ctx.out is None else ctx.out.view(-1), dropped)
         dense = core.apply_weight_decay(ctx.name, dense, ctx.param)
         return dense.view(ctx.shape).to(ctx.dtype)
 

@@ -1,4 +1,5 @@
-"""How the PyTorch adapter moves payloads: Horovod allgather, one per tensor or one per bucket.
+"""How the PyTorch adapter moves payloads: Horovod allgather (or, with ``exchange="regions"``,
+an alltoall and an allgather), one per tensor or one per bucket.
 
 Buckets (``DGCConfig.bucket_numel > 0``): the optimizer's parameters, in reverse registration
 order (roughly the order backward produces their gradients), are cut into consecutive groups of
@@ -23,6 +24,28 @@ then carries a 1-element placeholder for them too). The cost: no bucket starts b
 ends, so exchange no longer overlaps with backward. When the plan is made (the first
 step), the ranks compare their trainable parameters once and raise a ValueError naming the first
 difference, instead of hanging on collectives that never match.
+
+The region exchange (``exchange="regions"``, the algorithm and its equations:
+:mod:`dgc_horovod.core.regions`) replaces each allgather by two collectives, with the same
+bucket plan, the same compress calls and the same gated mode:
+
+1. scatter: each payload is cut into N region payloads (``regions.split_payload``: None where
+   the rank has no entry in a region); rank j is sent, by one ``hvd.alltoall_async`` with splits
+   (named like the allgather it replaces), the frame (``wire.frame_bucket``) of the members'
+   parts j that exist, or nothing. Per-tensor mode frames too (a bucket of one tensor).
+2. reduce and share: when the first result of a step is asked for, every alltoall started so
+   far is waited for in the order they started; for each one this rank reduces its region of
+   every member some rank sent a part of (``DGCCore.reduce_region``, the parts in rank order),
+   frames the reduced payloads that are not empty (the frame goes out even when it holds none)
+   and starts their allgather (``dgc.kept.<bucket or tensor name>``) before it waits for the
+   next alltoall, so the second phases of all buckets overlap.
+3. every rank decodes the owners' payloads of a tensor (``DGCCore.decompress`` with the
+   ``dropped`` sums of the region it owns), bit-identical everywhere.
+
+Statistics: ``wire_bytes`` counts what this rank sent to the other ranks in the alltoall plus its
+allgather input (instead of its whole payload), ``received_bytes`` the alltoall's output but this
+rank's own part plus the allgather's output but its own input (and Horovod's allreduce, as
+always).
 """
 import threading
 
@@ -30,7 +53,7 @@ import horovod.torch as hvd
 import torch
 
 from dgc_horovod.adapter import check_same_model
-from dgc_horovod.core import PLACEHOLDER_BYTES, wire
+from dgc_horovod.core import PLACEHOLDER_BYTES, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
 
 __all__ = ["Exchange", "Pending"]
@@ -72,6 +95,27 @@ class _Launch:
         self.words = 0          # int32 words of this rank's segment (the allgather's input)
 
 
+class _Regions:
+    """One region exchange (``exchange="regions"``) of a bucket (in per-tensor mode, a bucket of
+    one tensor): its alltoall (``scatter``), then its allgather (``share``).
+
+    ``names`` / ``numels``: every member of the bucket (the frames' member indices refer to
+    them); ``dropped``: {member: what this rank's reduce dropped}; ``parts``: per member, the
+    owners' reduced payloads in rank order, once the allgather is received (``empty``: a
+    0-word tensor for a member no owner sent); ``words``: int32 words of this rank's allgather
+    input; ``error``: what advancing it raised, if it failed.
+    """
+
+    __slots__ = ("name", "names", "numels", "process_set", "scatter", "share", "words",
+                 "dropped", "parts", "empty", "error")
+
+    def __init__(self, name, names, numels, process_set):
+        self.name, self.names, self.numels = name, names, numels
+        self.process_set = process_set
+        self.scatter = self.share = self.parts = self.empty = self.error = None
+        self.words, self.dropped = 0, {}
+
+
 class _Gate:
     """One step's gradients in gated mode (global clipping): ``arrived`` names; ``dense`` the
     dense tensors' (name, grad, param, pending) until the step is launched; ``launched``."""
@@ -88,10 +132,11 @@ class _Bucket:
     member indices refer to); ``expected``: how many of them are sparsified, i.e. send a payload
     (the others go through Horovod's dense allreduce and never join the bucket)."""
 
-    __slots__ = ("name", "members", "expected", "current")
+    __slots__ = ("name", "members", "expected", "current", "numels")
 
-    def __init__(self, name, members, expected):
+    def __init__(self, name, members, expected, numels):
         self.name, self.members, self.expected = name, members, expected
+        self.numels = numels            # the members' elements, for the region exchange
         self.current = _Launch()
 
 
@@ -137,6 +182,8 @@ class Exchange:
         self._outstanding = 0            # tensors sent or deferred whose result was not received
         self.gated = core.needs_clip_scale
         self._gate = _Gate()
+        self.regions = core.config.exchange == "regions"
+        self._scattering = []            # region exchanges whose alltoall is not received yet
 
     @property
     def bucketed(self):
@@ -175,21 +222,110 @@ class Exchange:
                       if p.requires_grad][::-1]
             _check_same_model(opt, params)
             names = [opt._parameter_names[p] for p in params]
-            plan = {}
+            plan, numel = {}, {n: p.numel() for n, p in zip(names, params)}
             for members, sparse in plan_buckets([(n, p.numel(), p.dim())
                                                  for n, p in zip(names, params)],
                                                 self._bucket_numel, self._core.config):
-                bucket = _Bucket("dgc.bucket." + members[0], members, sum(sparse))
+                bucket = _Bucket("dgc.bucket." + members[0], members, sum(sparse),
+                                 [numel[n] for n in members])
                 plan.update({n: (bucket, m) for m, n in enumerate(members)})
             entry = self._plans[id(opt)] = (opt, plan, names)
         return entry[1]
 
-    def send(self, name, payload, process_set):
-        """Per-tensor mode: start the allgather of ``payload``; returns the ticket for receive."""
+    def send(self, name, payload, process_set, numel):
+        """Per-tensor mode: start the allgather (or the region exchange's alltoall) of
+        ``payload``, the compressed tensor ``name`` of ``numel`` elements; returns the ticket
+        for receive."""
+        if self.regions:
+            with self._lock:
+                flight = self._scatter(_Regions("dgc." + name, [name], [numel], process_set),
+                                       [0], [payload])
+                self._outstanding += 1
+            return ("regions", flight)
         handle = hvd.allgather_async(payload, name="dgc." + name, process_set=process_set)
         with self._lock:
             self._outstanding += 1
         return ("tensor", handle, payload.numel())
+
+    # ------------------------------------------------------------- the region exchange
+    def _scatter(self, flight, members, payloads):
+        """Phase 1 (lock held): cut each member's payload into N region payloads and start the
+        alltoall that sends rank j the frame of its parts j (nothing when it has none for rank
+        j). Returns ``flight``."""
+        core, B = self._core, self._core.B
+        ps = flight.process_set
+        world, me = ps.size(), ps.rank()
+        split = [regions.split_payload(B, payload, flight.numels[m], world, flight.names[m])
+                 for m, payload in zip(members, payloads)]
+        pieces = []
+        for j in range(world):
+            entries = [(m, parts[j]) for m, parts in zip(members, split) if parts[j] is not None]
+            if entries:
+                pieces.append(wire.frame_bucket(B, entries, like=payloads[0]))
+            else:
+                pieces.append(B.int32_tensor([], like=payloads[0]))
+        sizes = [B.numel(p) for p in pieces]
+        flight.scatter = hvd.alltoall_async(B.cat(pieces),
+                                            splits=torch.tensor(sizes, dtype=torch.int32),
+                                            name=flight.name, process_set=ps)
+        self._scattering.append(flight)
+        # compress counted each whole payload as sent: what left this rank is the frames for the
+        # other ranks; the one for itself never goes on the wire
+        core.add_wire_bytes(4 * (sum(sizes) - sizes[me] - sum(B.numel(p) for p in payloads)))
+        return flight
+
+    def _share(self, flight):
+        """Phase 2's start (lock held): wait for the alltoall, reduce this rank's region of each
+        tensor some rank sent a part of, start the allgather of the reduced payloads' frame
+        (sent even when empty: every rank receives one frame per owner)."""
+        core, B = self._core, self._core.B
+        ps = flight.process_set
+        world, me = ps.size(), ps.rank()
+        out, received = hvd.synchronize(flight.scatter)
+        flight.scatter = None
+        received = received.tolist()
+        core.add_wire_bytes(0, received=4 * (B.numel(out) - received[me]))
+        senders = sum(1 for words in received if words)   # the frames, in rank order
+        entries = []
+        for m, parts in enumerate(wire.split_bucket(B, out, senders, len(flight.names),
+                                                    flight.name)):
+            if not parts:                   # no rank has entries of this tensor in the region
+                continue
+            payload, flight.dropped[m] = core.reduce_region(
+                B.cat(parts), flight.names[m], flight.numels[m], me, world, len(parts))
+            if payload is not None:
+                entries.append((m, payload))
+        segment = wire.frame_bucket(B, entries, like=out)
+        flight.words = B.numel(segment)
+        flight.share = hvd.allgather_async(segment, name="dgc.kept." + flight.name[len("dgc."):],
+                                           process_set=ps)
+        core.add_wire_bytes(4 * flight.words)
+
+    def _regions_result(self, flight, member):
+        """(the owners' reduced payloads of ``member`` in rank order, how many, what this rank
+        dropped of it) (lock held). The first call of a step ends phase 1 of every region
+        exchange started so far, in the order they started, each one's allgather started before
+        the next alltoall is waited for (so no rank waits for a collective that another rank
+        starts only later)."""
+        if flight.share is None:
+            while self._scattering:
+                head = self._scattering.pop(0)
+                try:
+                    self._share(head)
+                except BaseException as e:
+                    head.error = e          # the tensor's other members raise it too
+                    raise
+            if flight.error is not None:
+                raise flight.error
+        B = self._core.B
+        if flight.parts is None:
+            gathered = hvd.synchronize(flight.share)
+            self._core.count_allgather(gathered.numel(), flight.words)
+            flight.parts = wire.split_bucket(B, gathered, flight.process_set.size(),
+                                             len(flight.names), flight.name)
+            flight.empty = B.int32_tensor([], like=gathered)
+        parts = flight.parts[member]
+        return (B.cat(parts) if parts else flight.empty), len(parts), flight.dropped.get(member)
 
     def defer(self, opt, name, grad, param, process_set, pending):
         """Bucketed mode: record a sparsified gradient (checked already) in its bucket.
@@ -292,6 +428,10 @@ class Exchange:
             for pending in pendings:
                 pending.core_ctx = core_ctx
             payloads.append(payload)
+        if self.regions:
+            launch.handle = self._scatter(_Regions(bucket.name, bucket.members, bucket.numels,
+                                                   process_set), members, payloads)
+            return
         framed = list(zip(members, payloads))
         segment = wire.frame_bucket(self._core.B, framed, like=payloads[0])
         launch.handle = hvd.allgather_async(segment, name=bucket.name, process_set=process_set)
@@ -301,7 +441,8 @@ class Exchange:
         self._core.add_wire_bytes(4 * len(framed) + wire.BUCKET_HEADER_BYTES)
 
     def receive(self, ticket, world_size):
-        """(every rank's payloads for this tensor concatenated in rank order, how many).
+        """(every rank's payloads for this tensor concatenated in rank order, how many, the
+        ``dropped`` argument of ``DGCCore.decompress``: None but with ``exchange="regions"``).
 
         In bucketed mode, compresses and starts the tensor's bucket first if it is still
         incomplete (a member without a gradient this step, e.g. a sparse-gradient embedding).
@@ -312,14 +453,18 @@ class Exchange:
                 self._outstanding -= 1
             gathered = hvd.synchronize(handle)
             self._core.count_allgather(gathered.numel(), words)
-            return gathered, world_size
+            return gathered, world_size, None
+        if ticket[0] == "regions":                          # per-tensor region exchange
+            with self._lock:
+                self._outstanding -= 1
+                return self._regions_result(ticket[1], 0)
         if ticket[0] == "dense":                            # gated: DGC's own allreduce
             _, gate, pending = ticket
             with self._lock:
                 self._outstanding -= 1
                 if not gate.launched:
                     self._launch_step()
-            return hvd.synchronize(pending.core_ctx), world_size
+            return hvd.synchronize(pending.core_ctx), world_size, None
         bucket, member, launch, process_set = ticket
         with self._lock:
             self._outstanding -= 1
@@ -330,10 +475,12 @@ class Exchange:
                 if launch.error is not None:               # compressing or sending it failed
                     raise launch.error
                 self._start(bucket, process_set)
+            if self.regions:
+                return self._regions_result(launch.handle, member)
             if launch.parts is None:
                 gathered = hvd.synchronize(launch.handle)
                 self._core.count_allgather(gathered.numel(), launch.words)
                 launch.parts = wire.split_bucket(self._core.B, gathered, world_size,
                                                  len(bucket.members), bucket.name)
         parts = launch.parts[member]
-        return (self._core.B.cat(parts) if parts else parts), len(parts)
+        return (self._core.B.cat(parts) if parts else parts), len(parts), None

@@ -1,4 +1,4 @@
-"""Runs under `horovodrun -np 2`: a small model trained with DGC through the stock
+"""Runs under `horovodrun -np N`: a small model trained with DGC through the stock
 hvd.DistributedOptimizer; rank 0 saves the final parameters. tests/test_simulate.py trains the
 same model on dgc_horovod.simulate.SimulatedCluster and compares the bits."""
 import argparse
@@ -48,7 +48,8 @@ def main():
     if hvd.rank() == 0:
         torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "steps": dgc._core.steps, "density": dgc.density,
-                    "wire_bytes": dgc.total_stats.wire_bytes}, args.out)
+                    "wire_bytes": dgc.total_stats.wire_bytes,
+                    "received_bytes": dgc.total_stats.received_bytes}, args.out)
 
 
 if __name__ == "__main__":

@@ -247,30 +247,47 @@ def scenario_wire(results, prefix):
         results["wire"][mode] = counters(dgc)
 
 
+def train_with_nan(model, opt, steps=8, seed=100, nan_step=3, after_backward=None,
+                   all_nan=None):
+    """Train ``steps`` steps; rank 1's loss is NaN at ``nan_step`` (None: never). A step whose
+    synchronized gradients are not finite is skipped, as GradScaler does. ``after_backward(step)``
+    runs between backward and synchronize; a list ``all_nan`` gets, per step, whether every
+    element of every synchronized gradient is NaN. Returns, per step, whether it was skipped."""
+    seen = []
+    for step, (x, y) in enumerate(batches(steps, seed + hvd.rank())):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if step == nan_step and hvd.rank() == 1:
+            loss = loss * float("nan")
+        loss.backward()
+        if after_backward is not None:
+            after_backward(step)
+        opt.synchronize()
+        bad = any(not torch.isfinite(p.grad).all() for p in model.parameters())
+        seen.append(bad)
+        if all_nan is not None:
+            all_nan.append(all(bool(torch.isnan(p.grad).all()) for p in model.parameters()))
+        if not bad:                                 # the loss-scaling skip, as GradScaler does
+            with opt.skip_synchronize():
+                opt.step()
+    return seen
+
+
+def nonfinite_facts(dgc, model, seen):
+    """What the non-finite scenarios record after :func:`train_with_nan`."""
+    states_finite = all(bool(torch.isfinite(t).all()) for s in dgc.states.values()
+                        for t in (s.u, s.v) if t is not None)
+    return {"skipped": seen, "states_finite": states_finite,
+            "identical": identical_across_ranks(model),
+            "params_finite": bool(torch.isfinite(flat_params(model)).all()),
+            "nonfinite_tensors": dgc.total_stats.nonfinite_tensors}
+
+
 def scenario_nonfinite(results, prefix):
     """Rank 1 produces a NaN loss at step 3: every rank sees it, no state is poisoned."""
     dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
     model, opt = make(prefix, dgc)
-    data = batches(8, 100 + hvd.rank())
-    seen = []
-    for step, (x, y) in enumerate(data):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        if step == 3 and hvd.rank() == 1:
-            loss = loss * float("nan")
-        loss.backward()
-        opt.synchronize()
-        bad = any(not torch.isfinite(p.grad).all() for p in model.parameters())
-        seen.append(bad)
-        if not bad:                                 # the loss-scaling skip, as GradScaler does
-            with opt.skip_synchronize():
-                opt.step()
-    states_finite = all(bool(torch.isfinite(t).all()) for s in dgc.states.values()
-                        for t in (s.u, s.v) if t is not None)
-    results["nonfinite"] = {"skipped": seen, "states_finite": states_finite,
-                            "identical": identical_across_ranks(model),
-                            "params_finite": bool(torch.isfinite(flat_params(model)).all()),
-                            "nonfinite_tensors": dgc.total_stats.nonfinite_tensors}
+    results["nonfinite"] = nonfinite_facts(dgc, model, train_with_nan(model, opt))
 
 
 def scenario_fp16_overflow(results, prefix, steps=16):
