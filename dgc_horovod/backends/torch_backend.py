@@ -158,6 +158,12 @@ class TorchBackend(Backend):
             return x.data_ptr()
         return None
 
+    def kernel_words_ptr(self, x):
+        if (x.dtype is torch.int32 and x.layout is torch.strided and x.is_cpu
+                and x.is_contiguous()):
+            return x.data_ptr()
+        return None
+
     def kernel_fma(self):
         # whether torch's CPU add-with-alpha rounds once (vectorised fmadd, e.g. AVX2/AVX-512
         # builds) or twice: probed once, against the kernel itself

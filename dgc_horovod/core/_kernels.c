@@ -33,6 +33,12 @@
  *       usent = u[idx] (usent may be 0), clears v[idx] (and u[idx] with mask_u), and writes the
  *       DGC v2 payload (wire.py: int32 or delta16 indices by `sort`, float32 values) to the int32
  *       buffer payload[cap_words]; returns the number of words written.
+ *   decode_sum(words, total, numel, ranks, out, mode[, inv]) -> done
+ *       the receive side (wire.decode_sum, DGCCore.decompress): checks the `ranks` payloads in
+ *       the int32 words[total] as wire.read_payload does and, mode bits 1 / 2 / 4, zeroes
+ *       float32 out[numel], adds every rank's entries in rank order (out[i] + value), then
+ *       multiplies each sent position once by (float)inv. done False: out untouched, the
+ *       caller runs the tensor-op reference (a malformed payload, a non-finite flag or value).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -956,6 +962,124 @@ static int finite_many_impl(i64 *d, i64 nt, int threads) {
     return 0;
 }
 
+/* ---- the receive side: wire.decode_sum in one call (dgc_horovod.core.kernels.decode_sum) ----
+ * Every rank's payload in `w` (DGC v2, wire.py), checked as wire.read_payload checks it, then
+ * summed in rank order into out[numel]. The call declines (returns 1, out untouched) whenever
+ * the tensor-op reference must run instead: a payload it would reject (it raises the error), a
+ * rank's non-finite flag or any non-finite value (the caller's NaN path), so whatever this
+ * function writes is finite-input IEEE float32 arithmetic with a unique result. */
+#define DEC_ZERO 1          /* zero out first (else it holds what to add to) */
+#define DEC_ADD 2           /* add every rank's entries, in rank order */
+#define DEC_SCALE 4         /* then out[i] *= inv at every sent position, each once */
+
+/* IEEE-754 binary16 -> binary32, exact for every finite value (subnormals included); the
+ * caller declines on Inf/NaN (exponent 31) before converting. */
+ALWAYS_INLINE float half_to_float(uint32_t h) {
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ffu, b;
+    if (e) b = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) b = sign;
+    else {                                  /* subnormal: m * 2**-24, normalised */
+        int sh = 0;
+        while (!(m & 0x400u)) { m <<= 1; sh++; }
+        b = sign | ((uint32_t)(113 - sh) << 23) | ((m & 0x3ffu) << 13);
+    }
+    float f; memcpy(&f, &b, 4); return f;
+}
+
+typedef struct { i64 idx, val, c; int delta16, fp16; } dec_t;    /* one rank's sections */
+
+/* Check every payload; fill r[nranks] and pos[] (all ranks' positions, rank order). Returns 0,
+ * or 1 when the reference must run (malformed, flagged or non-finite). */
+static int decode_parse(const int32_t *w, i64 total, i64 numel, i64 nranks, dec_t *r,
+                        int32_t *pos, i64 cap) {
+    i64 p = 0, np = 0;
+    for (i64 k = 0; k < nranks; k++) {
+        if (p + 5 > total) return 1;
+        uint32_t magic = (uint32_t)w[p], w3 = (uint32_t)w[p + 3];
+        i64 n = w[p + 1], c = w[p + 2], t = w[p + 4];
+        if (magic != MAGIC_V2 || n != numel || c < 0 || c > numel || (w3 >> 24)) return 1;
+        uint32_t flags = w3 & 0xff, ic = (w3 >> 8) & 0xff, vc = (w3 >> 16) & 0xff;
+        if (ic > 1 || vc > 1 || (ic == 0 && t != c) || t < c || t > numel) return 1;
+        if (flags & 1) return 1;                                    /* FLAG_NONFINITE */
+        i64 iw = ic ? (t + 1) / 2 : c, vw = vc ? (c + 1) / 2 : c, start = p + 5;
+        if (start + iw + vw > total) return 1;
+        r[k].c = c; r[k].delta16 = (int)ic; r[k].fp16 = (int)vc;
+        r[k].idx = start; r[k].val = start + iw;
+        p = start + iw + vw;
+        if (!c) continue;
+        if (np + c > cap) return 1;
+        if (ic == 0) {
+            const int32_t *ix = w + start;
+            for (i64 j = 0; j < c; j++) {
+                if (ix[j] < 0 || ix[j] >= numel) return 1;
+                pos[np + j] = ix[j];
+            }
+        } else {
+            const uint16_t *tok = (const uint16_t *)(w + start);   /* low half first (LE) */
+            i64 at = -1, e = 0;
+            for (i64 j = 0; j < t; j++) {
+                uint32_t d = tok[j];
+                if (!d) { at += ESCAPE; continue; }
+                at += d;
+                if (e == c || at >= numel) return 1;
+                pos[np + e++] = (int32_t)at;
+            }
+            if (e != c) return 1;
+        }
+        if (vc == 0) {
+            const int32_t *v = w + r[k].val;
+            for (i64 j = 0; j < c; j++)
+                if (((uint32_t)v[j] & 0x7f800000u) == 0x7f800000u) return 1;
+        } else {
+            const uint16_t *v = (const uint16_t *)(w + r[k].val);
+            for (i64 j = 0; j < c; j++)
+                if ((v[j] & 0x7c00u) == 0x7c00u) return 1;
+        }
+        np += c;
+    }
+    return p == total ? 0 : 1;
+}
+
+static int decode_impl(const int32_t *w, i64 total, i64 numel, i64 nranks, float *out, int mode,
+                       float inv, int *declined) {
+    *declined = 1;
+    if (nranks < 0 || numel < 0 || total < 0) return 0;
+    i64 cap = 2 * total;                        /* entries fit in the words (>= 1/2 word each) */
+    dec_t *r = (dec_t *)malloc(sizeof(dec_t) * (size_t)(nranks ? nranks : 1));
+    int32_t *pos = (int32_t *)malloc(sizeof(int32_t) * (size_t)(cap ? cap : 1));
+    if (!r || !pos) { free(r); free(pos); return -1; }
+    if (decode_parse(w, total, numel, nranks, r, pos, cap)) { free(r); free(pos); return 0; }
+    *declined = 0;
+    if (mode & DEC_ZERO) memset(out, 0, sizeof(float) * (size_t)numel);
+    i64 np = 0;
+    for (i64 k = 0; k < nranks; k++) {
+        i64 c = r[k].c;
+        const int32_t *ps = pos + np;
+        if (mode & DEC_ADD) {
+            if (r[k].fp16) {
+                const uint16_t *v = (const uint16_t *)(w + r[k].val);
+                for (i64 j = 0; j < c; j++) out[ps[j]] = out[ps[j]] + half_to_float(v[j]);
+            } else {
+                const float *v = (const float *)(w + r[k].val);
+                for (i64 j = 0; j < c; j++) out[ps[j]] = out[ps[j]] + v[j];
+            }
+        }
+        np += c;
+    }
+    int rc = 0;
+    if ((mode & DEC_SCALE) && np) {             /* gathered before any write: each once */
+        float *tmp = (float *)malloc(sizeof(float) * (size_t)np);
+        if (!tmp) rc = -1;
+        else {
+            for (i64 j = 0; j < np; j++) tmp[j] = out[pos[j]] * inv;
+            for (i64 j = 0; j < np; j++) out[pos[j]] = tmp[j];
+            free(tmp);
+        }
+    }
+    free(r); free(pos);
+    return rc;
+}
+
 static PyObject *err(int rc) {
     const char *what = rc == -1 ? "out of memory" : rc == -2 ? "sample draw outside [0, 1)"
                      : rc == -3 ? "positions are not unique" : rc == -5 ? "bad batch row"
@@ -1061,6 +1185,25 @@ static PyObject *py_finite_many(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_decode_sum(PyObject *self, PyObject *args) {
+    unsigned long long w, out; long long total, numel, nranks; int mode; double inv = 1.0;
+    if (!PyArg_ParseTuple(args, "KLLLKi|d", &w, &total, &numel, &nranks, &out, &mode, &inv))
+        return NULL;
+    if (total < 0 || numel < 0 || nranks < 0 || (total && !w) || (numel && !out)
+            || mode & ~(DEC_ZERO | DEC_ADD | DEC_SCALE)) {
+        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel decode_sum: bad arguments");
+        return NULL;
+    }
+    int rc, declined;
+    float invf = (float)inv;
+    Py_BEGIN_ALLOW_THREADS
+    rc = decode_impl((const int32_t *)(uintptr_t)w, total, numel, nranks, (float *)(uintptr_t)out,
+                     mode, invf, &declined);
+    Py_END_ALLOW_THREADS
+    if (rc) return err(rc);
+    return PyBool_FromLong(!declined);
+}
+
 static PyMethodDef methods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(x, n) -> bool"},
     {"step", py_step, METH_VARARGS, "step(g, u, v, n, mode, fma, m, s, uni, npos, ks, cidx, cmag, cap)"},
@@ -1068,6 +1211,8 @@ static PyMethodDef methods[] = {
      "finish(idx, c, v, u, mask_u, sort, vals, usent, payload, cap_words, numel, flags) -> words"},
     {"step_many", py_step_many, METH_VARARGS, "step_many(desc, fdesc, count[, threads, out, vals, usent, payload, nk, nw, uni, nuni])"},
     {"finite_many", py_finite_many, METH_VARARGS, "finite_many(desc, count[, threads])"},
+    {"decode_sum", py_decode_sum, METH_VARARGS,
+     "decode_sum(words, total, numel, ranks, out, mode[, inv]) -> done"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",

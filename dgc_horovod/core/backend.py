@@ -111,6 +111,8 @@ class Backend:
     def kernel_grad_ptr(self, x): return None            # address of x's data when x itself is
                                                          # a float32 contiguous host tensor (no
                                                          # view or copy made), else None
+    def kernel_words_ptr(self, x): return None           # the same for int32 words (a received
+                                                         # payload: kernels.decode_sum)
     def split(self, x, sizes):                           # consecutive views of x of these sizes
         out, a = [], 0                                   # (sum(sizes) == numel(x))
         for n in sizes:
@@ -270,6 +272,11 @@ class NumpyBackend(Backend):
 
     def kernel_grad_ptr(self, x):
         if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous:
+            return x.ctypes.data
+        return None
+
+    def kernel_words_ptr(self, x):
+        if isinstance(x, np.ndarray) and x.dtype == np.int32 and x.flags.c_contiguous:
             return x.ctypes.data
         return None
 

@@ -1053,6 +1053,10 @@ class DGCCore:
                    dropped=None):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.
 
+        With the kernels (``use_kernels``, host tensors) one :func:`kernels.decode_sum` call
+        checks, zeroes, sums and scales; the tensor ops (:func:`wire.decode_sum`) run otherwise
+        and when it declines (a malformed payload, a non-finite step). Same bits either way.
+
         Args:
             gathered: flat int32 tensor, Horovod's allgather of every rank's payload.
             ctx (SparseContext): returned by :meth:`compress` for this tensor.
@@ -1074,10 +1078,25 @@ class DGCCore:
             WireFormatError: a malformed payload (names tensor and rank).
         """
         B = self.B
+        ranks = world_size if ranks is None else ranks
+        scale = average and world_size > 1
+        out_is_zero = False
+        if self.use_kernels and ranks:      # one kernel call (kernels.decode_sum), same bits
+            dense = B.zeros(ctx.numel, like=gathered) if out is None else out
+            regional = self.config.exchange == "regions"    # keep_unapplied needs the sum
+            mode = ((0 if out is None else kernels.DECODE_ZERO) | kernels.DECODE_ADD
+                    | (kernels.DECODE_SCALE if scale and not regional else 0))
+            if kernels.decode_sum(B, gathered, ctx.numel, ranks, dense, mode, 1.0 / world_size):
+                if regional:
+                    self.keep_unapplied(ctx, dense, dropped)
+                    if scale:
+                        kernels.decode_sum(B, gathered, ctx.numel, ranks, dense,
+                                           kernels.DECODE_SCALE, 1.0 / world_size)
+                return dense
+            out, out_is_zero = dense, out is None   # declined: the tensor ops below decide
         positions = []
-        dense, nonfinite = wire.decode_sum(B, gathered, ctx.numel,
-                                           world_size if ranks is None else ranks, ctx.name,
-                                           positions, out)
+        dense, nonfinite = wire.decode_sum(B, gathered, ctx.numel, ranks, ctx.name, positions,
+                                           out, out_is_zero)
         if nonfinite:
             st = self.states[ctx.name]
             if ctx.indices is not None:
@@ -1087,7 +1106,7 @@ class DGCCore:
             return dense
         if self.config.exchange == "regions":
             self.keep_unapplied(ctx, dense, dropped)
-        if average and world_size > 1 and positions:
+        if scale and positions:
             # divide by N only where a rank sent something (elsewhere 0 / N is 0): the same
             # bits as dividing the whole tensor, without a pass over it. A position sent by
             # several ranks is gathered from the sum before any write, so it is scaled once.

@@ -1,4 +1,5 @@
-"""The fused CPU path of DGC's compress step: one C kernel call instead of ~40 tensor ops.
+"""The fused CPU path of DGC's compress step (one C kernel call instead of ~40 tensor ops), and
+of its decode.
 
 :class:`dgc_horovod.core.compressor.DGCCore` calls :func:`accumulate_select` and :func:`finish`
 for a sparsified tensor when the compiled extension ``dgc_horovod.core._kernels`` (``_kernels.c``, built by
@@ -27,6 +28,12 @@ encodes them all, spreading the work over a persistent pool of threads (a tensor
 in cache; larger ones are checked first, then cut in chunks of 65,536 elements). Same arithmetic,
 same results.
 
+The receive side has one kernel too: :func:`decode_sum` checks every rank's payload of a tensor,
+zeroes the output, adds the entries in rank order and scales the sent positions by 1/N in one
+call, the same float32 operations as :func:`wire.decode_sum` and ``Backend.scale_at_``;
+:meth:`DGCCore.decompress` calls it and runs the tensor ops only when it declines (a malformed
+payload, whose error they raise, or a non-finite step).
+
 The glue takes what it uses, not the core: the backend, the config, the generator the sample
 draws come from, and the density in force (a tensor's :class:`Plan` is refreshed when it changed).
 """
@@ -44,7 +51,8 @@ except ImportError:          # not built (e.g. a source tree without a C compile
     _kernels = None
 
 __all__ = ["available", "calibrate", "Plan", "all_finite", "accumulate_select", "select_rest",
-           "finish", "finite_many", "Batch"]
+           "finish", "finite_many", "Batch", "decode_sum", "DECODE_ZERO", "DECODE_ADD",
+           "DECODE_SCALE"]
 
 #: Set ``DGC_KERNELS=0`` to force the tensor-op path everywhere (read at import).
 ENABLED = os.environ.get("DGC_KERNELS", "1").strip() not in ("0", "false", "False", "no")
@@ -266,6 +274,31 @@ def finite_many(tensors, threads=1):
         desc.extend((gp, n, 0))
     _kernels.finite_many(desc.buffer_info()[0], len(tensors), threads)
     return [bool(desc[3 * i + 2]) for i in range(len(tensors))]
+
+
+#: mode bits of :func:`decode_sum` (DEC_* in _kernels.c)
+DECODE_ZERO, DECODE_ADD, DECODE_SCALE = 1, 2, 4
+
+
+def decode_sum(B, gathered, numel, ranks, out, mode, inv=1.0):
+    """The receive side in one kernel call: check the ``ranks`` payloads in ``gathered`` (the
+    int32 words of :func:`wire.decode_sum`) as :func:`wire.read_payload` does and, by the bits of
+    ``mode``, zero the float32 tensor ``out`` of ``numel`` elements (DECODE_ZERO), add every
+    rank's entries in rank order (DECODE_ADD: out[i] + value, as the backend's index_add_), then
+    multiply every sent position once by ``inv`` rounded to float32 (DECODE_SCALE: as
+    ``Backend.scale_at_``). Same arithmetic, so the same bits as the tensor ops.
+
+    Returns True when done; False when ``out`` was left untouched and the caller must run the
+    tensor ops instead: the kernels are not available, a tensor is not in host memory (or not
+    int32 / float32 contiguous), a payload is malformed (:func:`wire.decode_sum` raises the
+    error), a rank flagged a non-finite gradient or a value is not finite (the NaN path).
+    """
+    if not available() or not ranks:
+        return False
+    wp, op = B.kernel_words_ptr(gathered), B.kernel_grad_ptr(out)
+    if wp is None or op is None or B.numel(out) != numel:
+        return False
+    return _kernels.decode_sum(wp, B.numel(gathered), numel, ranks, op, mode, inv)
 
 
 #: Tensors of at most this many elements are one task of the batch kernel (checked for NaN/Inf,
