@@ -353,7 +353,8 @@ def worker(args):
             profiler.disable()
             print(f"# cProfile of rank 0's main thread, {name}, {args.steps} timed steps "
                   f"(Horovod's background thread is not included):")
-            pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile)
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats(args.profile_sort).print_stats(
+                args.profile)
         run = {k: stats_line(v) for k, v in phases.items()}
         run["cpu"] = {k: stats_line(v)[0] for k, v in cpu.items()}
         run["step_all"] = phases["step"]
@@ -524,6 +525,8 @@ def main(argv=None):
     ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile rank 0's timed steps of the last compression; print the top N")
+    ap.add_argument("--profile-sort", default="tottime", choices=["tottime", "cumulative"],
+                    help="order of --profile's rows: own time (default) or time including callees")
     args = ap.parse_args(argv)
     args.compression = [c.strip() for c in args.compression.split(",") if c.strip()]
     bad = [c for c in args.compression if c not in COMPRESSIONS]

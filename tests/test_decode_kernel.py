@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, WireFormatError, kernels, wire
 from dgc_horovod.backends.torch_backend import TorchBackend
 from helpers import to_np
-from test_wire_fuzz import (FUZZ, INT32, encode, mutate, random_header_words, spec_decode,
-                            valid_gathered)
+from test_wire_fuzz import (FUZZ, INT32, bucket_words, encode, mutate, random_header_words,
+                            spec_decode, valid_gathered)
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -173,6 +173,30 @@ def test_declines_what_it_cannot_take():
                     (torch.from_numpy(words), out, 9)]:             # out of another size
         assert not kernels.decode_sum(B, g, n, 1, o, ZERO_ADD)
     assert not kernels.decode_sum(B, torch.from_numpy(words), 8, 0, out, ZERO_ADD)  # no rank
+
+
+# ============================================================ split_bucket's walk
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@FUZZ
+@given(numels=st.lists(st.integers(1, 30), min_size=1, max_size=3), ranks=st.integers(1, 3),
+       draw=st.data())
+def test_bucket_split_declines_or_matches(backend, numels, ranks, draw):
+    """kernels.split_spans accepts exactly the buckets wire.split_bucket accepts, and cuts
+    them at the same words; kernels.split_bucket then returns the same parts."""
+    B = BACKENDS[backend]
+    words = bucket_words(draw, numels, ranks)
+    spans = kernels.split_spans(B, words_of(B, words), ranks, len(numels))
+    try:
+        want = wire.split_bucket(B, words_of(B, words), ranks, len(numels), "b")
+    except WireFormatError:
+        assert spans is None, "kernel accepted a malformed bucket"
+        with pytest.raises(WireFormatError):
+            kernels.split_bucket(B, words_of(B, words), ranks, len(numels), "b")
+        return
+    assert spans is not None, "kernel declined a bucket the reference accepts"
+    got = kernels.split_bucket(B, words_of(B, words), ranks, len(numels), "b")
+    assert [[to_np(p).tolist() for p in ps] for ps in got] == \
+        [[to_np(p).tolist() for p in ps] for ps in want]
 
 
 # ============================================================ through DGCCore.decompress

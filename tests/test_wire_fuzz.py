@@ -255,12 +255,10 @@ def test_random_headers_decode_or_raise_wire_format_error(backend, data):
 
 
 # ============================================================ split_bucket (bucketed allgather)
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
-@FUZZ
-@given(numels=st.lists(st.integers(1, 30), min_size=1, max_size=3), ranks=st.integers(1, 3),
-       draw=st.data())
-def test_mutated_buckets_split_or_raise_wire_format_error(backend, numels, ranks, draw):
-    B, NB = BACKENDS[backend], BACKENDS["numpy"]
+def bucket_words(draw, numels, ranks):
+    """An allgathered bucket: each rank's frame of valid payloads of a random subset of the
+    members (tensors of ``numels`` elements), in rank order; mutated half of the time."""
+    NB = BACKENDS["numpy"]
     segments = []
     for _ in range(ranks):
         members = draw.draw(st.lists(st.integers(0, len(numels) - 1), unique=True))
@@ -270,6 +268,16 @@ def test_mutated_buckets_split_or_raise_wire_format_error(backend, numels, ranks
     words = np.concatenate(segments)
     if draw.draw(st.booleans()):
         words = mutate(draw.draw, words)
+    return words
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@FUZZ
+@given(numels=st.lists(st.integers(1, 30), min_size=1, max_size=3), ranks=st.integers(1, 3),
+       draw=st.data())
+def test_mutated_buckets_split_or_raise_wire_format_error(backend, numels, ranks, draw):
+    B = BACKENDS[backend]
+    words = bucket_words(draw, numels, ranks)
     with time_limit(20):
         try:
             parts = wire.split_bucket(B, to_backend(B, words), ranks, len(numels), BUCKET)

@@ -39,6 +39,9 @@
  *       float32 out[numel], adds every rank's entries in rank order (out[i] + value), then
  *       multiplies each sent position once by (float)inv. done False: out untouched, the
  *       caller runs the tensor-op reference (a malformed payload, a non-finite flag or value).
+ *   split_bucket(words, total, ranks, members, spans, cap) -> entries
+ *       wire.split_bucket's walk: (member, start, words) of every payload in an allgathered
+ *       bucket into the int64 spans[3 * cap]; -1: the caller runs the reference (it raises).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -54,6 +57,7 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define BLOCK 64                      /* elements per block of the fused pass */
 #define MAGIC_V2 0x44474302u
+#define BUCKET_MAGIC 0x44474342u
 #define ESCAPE 65535
 
 typedef int64_t i64;
@@ -1080,6 +1084,35 @@ static int decode_impl(const int32_t *w, i64 total, i64 numel, i64 nranks, float
     return rc;
 }
 
+/* wire.split_bucket's walk over an allgathered bucket: for each of `nranks` segments
+ * [BUCKET_MAGIC, n, then n times (member, payload)], the (member, start word, words) of every
+ * payload, in order, into spans[3 * cap]. Returns how many, or -1 when the reference must run
+ * (a segment it would reject: it raises the error; or more than cap entries). The payloads
+ * themselves are checked when they are decoded. */
+static i64 split_impl(const int32_t *w, i64 total, i64 nranks, i64 members, i64 *spans, i64 cap) {
+    i64 p = 0, e = 0;
+    for (i64 k = 0; k < nranks; k++) {
+        if (p + 2 > total || (uint32_t)w[p] != BUCKET_MAGIC) return -1;
+        i64 n = w[p + 1];
+        if (n < 0 || n > members) return -1;
+        p += 2;
+        for (i64 j = 0; j < n; j++) {
+            if (p + 1 > total) return -1;
+            i64 m = w[p], h = p + 1;
+            if (m < 0 || m >= members || h + 5 > total) return -1;
+            i64 c = w[h + 2], t = w[h + 4];
+            uint32_t w3 = (uint32_t)w[h + 3], ic = (w3 >> 8) & 0xff, vc = (w3 >> 16) & 0xff;
+            if (c < 0 || t < 0 || ic > 1 || vc > 1) return -1;
+            i64 len = 5 + (ic ? (t + 1) / 2 : c) + (vc ? (c + 1) / 2 : c);
+            if (h + len > total || e == cap) return -1;
+            spans[3 * e] = m; spans[3 * e + 1] = h; spans[3 * e + 2] = len;
+            e++;
+            p = h + len;
+        }
+    }
+    return p == total ? e : -1;
+}
+
 static PyObject *err(int rc) {
     const char *what = rc == -1 ? "out of memory" : rc == -2 ? "sample draw outside [0, 1)"
                      : rc == -3 ? "positions are not unique" : rc == -5 ? "bad batch row"
@@ -1204,6 +1237,22 @@ static PyObject *py_decode_sum(PyObject *self, PyObject *args) {
     return PyBool_FromLong(!declined);
 }
 
+static PyObject *py_split_bucket(PyObject *self, PyObject *args) {
+    unsigned long long w, spans; long long total, nranks, members, cap;
+    if (!PyArg_ParseTuple(args, "KLLLKL", &w, &total, &nranks, &members, &spans, &cap))
+        return NULL;
+    if (total < 0 || nranks < 0 || members < 0 || cap < 0 || (total && !w) || (cap && !spans)) {
+        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel split_bucket: bad arguments");
+        return NULL;
+    }
+    i64 n;
+    Py_BEGIN_ALLOW_THREADS
+    n = split_impl((const int32_t *)(uintptr_t)w, total, nranks, members, (i64 *)(uintptr_t)spans,
+                   cap);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(n);
+}
+
 static PyMethodDef methods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(x, n) -> bool"},
     {"step", py_step, METH_VARARGS, "step(g, u, v, n, mode, fma, m, s, uni, npos, ks, cidx, cmag, cap)"},
@@ -1213,6 +1262,8 @@ static PyMethodDef methods[] = {
     {"finite_many", py_finite_many, METH_VARARGS, "finite_many(desc, count[, threads])"},
     {"decode_sum", py_decode_sum, METH_VARARGS,
      "decode_sum(words, total, numel, ranks, out, mode[, inv]) -> done"},
+    {"split_bucket", py_split_bucket, METH_VARARGS,
+     "split_bucket(words, total, ranks, members, spans, cap) -> entries or -1"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",

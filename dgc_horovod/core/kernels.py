@@ -32,7 +32,8 @@ The receive side has one kernel too: :func:`decode_sum` checks every rank's payl
 zeroes the output, adds the entries in rank order and scales the sent positions by 1/N in one
 call, the same float32 operations as :func:`wire.decode_sum` and ``Backend.scale_at_``;
 :meth:`DGCCore.decompress` calls it and runs the tensor ops only when it declines (a malformed
-payload, whose error they raise, or a non-finite step).
+payload, whose error they raise, or a non-finite step). :func:`split_bucket` cuts an allgathered
+bucket into its members' payloads with one kernel call for the walk over the segments.
 
 The glue takes what it uses, not the core: the backend, the config, the generator the sample
 draws come from, and the density in force (a tensor's :class:`Plan` is refreshed when it changed).
@@ -52,7 +53,7 @@ except ImportError:          # not built (e.g. a source tree without a C compile
 
 __all__ = ["available", "calibrate", "Plan", "all_finite", "accumulate_select", "select_rest",
            "finish", "finite_many", "Batch", "decode_sum", "DECODE_ZERO", "DECODE_ADD",
-           "DECODE_SCALE"]
+           "DECODE_SCALE", "split_spans", "split_bucket"]
 
 #: Set ``DGC_KERNELS=0`` to force the tensor-op path everywhere (read at import).
 ENABLED = os.environ.get("DGC_KERNELS", "1").strip() not in ("0", "false", "False", "no")
@@ -299,6 +300,35 @@ def decode_sum(B, gathered, numel, ranks, out, mode, inv=1.0):
     if wp is None or op is None or B.numel(out) != numel:
         return False
     return _kernels.decode_sum(wp, B.numel(gathered), numel, ranks, op, mode, inv)
+
+
+def split_spans(B, gathered, world_size, members):
+    """[(member, start, words)] of every payload in an allgathered bucket (the walk of
+    :func:`wire.split_bucket`) from one kernel call, or None: the kernels are not available,
+    ``gathered`` is not contiguous host int32, or a segment is malformed."""
+    if not available():
+        return None
+    wp = B.kernel_words_ptr(gathered)
+    if wp is None:
+        return None
+    cap = world_size * members
+    spans = array("q", [0]) * (3 * cap or 1)
+    n = _kernels.split_bucket(wp, B.numel(gathered), world_size, members, spans.buffer_info()[0],
+                              cap)
+    return None if n < 0 else [tuple(spans[3 * e:3 * e + 3]) for e in range(n)]
+
+
+def split_bucket(B, gathered, world_size, members, name="<bucket>"):
+    """:func:`wire.split_bucket` (the same arguments and result): its walk over the segments in
+    one kernel call (:func:`split_spans`), then a view per payload; :func:`wire.split_bucket`
+    itself when that declines (it raises the error of a malformed segment)."""
+    spans = split_spans(B, gathered, world_size, members)
+    if spans is None:
+        return wire.split_bucket(B, gathered, world_size, members, name)
+    out = [[] for _ in range(members)]
+    for m, start, words in spans:
+        out[m].append(B.slice(gathered, start, start + words))
+    return out
 
 
 #: Tensors of at most this many elements are one task of the batch kernel (checked for NaN/Inf,
