@@ -288,7 +288,7 @@ class Exchange:
         senders = sum(1 for words in received if words)   # the frames, in rank order
         entries = []
         for m, parts in enumerate(kernels.split_bucket(B, out, senders, len(flight.names),
-                                                    flight.name)):
+                                                       flight.name)):
             if not parts:                   # no rank has entries of this tensor in the region
                 continue
             payload, flight.dropped[m] = core.reduce_region(
@@ -322,7 +322,7 @@ class Exchange:
             gathered = hvd.synchronize(flight.share)
             self._core.count_allgather(gathered.numel(), flight.words)
             flight.parts = kernels.split_bucket(B, gathered, flight.process_set.size(),
-                                             len(flight.names), flight.name)
+                                                len(flight.names), flight.name)
             flight.empty = B.int32_tensor([], like=gathered)
         parts = flight.parts[member]
         return (B.cat(parts) if parts else flight.empty), len(parts), flight.dropped.get(member)
@@ -481,6 +481,6 @@ class Exchange:
                 gathered = hvd.synchronize(launch.handle)
                 self._core.count_allgather(gathered.numel(), launch.words)
                 launch.parts = kernels.split_bucket(self._core.B, gathered, world_size,
-                                                 len(bucket.members), bucket.name)
+                                                    len(bucket.members), bucket.name)
         parts = launch.parts[member]
         return (self._core.B.cat(parts) if parts else parts), len(parts), None
