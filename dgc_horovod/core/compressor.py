@@ -110,10 +110,12 @@ from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_l
                                          weight_decay_momentum)
 from dgc_horovod.core.checkpoint import STATE_DICT_VERSION, FitCheck
 from dgc_horovod.core.config import DGCConfig
+from dgc_horovod.core.driver import BucketDriver
 from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
+from dgc_horovod.core.state import SparseContext, TensorState
 from dgc_horovod.core.stats import PLACEHOLDER_BYTES, StatsRecorder
 from dgc_horovod.core.warmup import density_at, density_at_step
-from dgc_horovod.core import bucket_ops, checkpoint, kernels, regions, wire
+from dgc_horovod.core import checkpoint, kernels, regions, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
@@ -124,71 +126,6 @@ FP16_OVERFLOW = 65520.0
 #: In epoch-driven warm-up (warmup_epochs set), DGC warns once when this many steps ran and
 #: set_epoch / set_step was never called: the warm-up would then never advance.
 EPOCH_CALL_CHECK_STEPS = 1000
-
-
-class TensorState:
-    """DGC state of one gradient tensor on one worker.
-
-    Attributes: name (str), numel (int), ndim (int: the gradient's dimensions), sparse (bool:
-    selected by top-k, else dense allreduce; :func:`~dgc_horovod.core.sparsify.is_sparse`),
-    u (flat float32 velocity, or None when momentum is 0), v (flat float32 accumulated velocity,
-    the residual; None for dense tensors), wd (flat float32 momentum buffer of the weight decay
-    term with ``weight_decay_mode="separate"``, else None).
-    """
-
-    __slots__ = ("name", "numel", "ndim", "sparse", "u", "v", "wd", "plan")
-
-    def __init__(self, name, numel, sparse, u, v, ndim=1, wd=None):
-        self.name, self.numel, self.sparse, self.u, self.v = name, numel, sparse, u, v
-        self.ndim, self.wd = ndim, wd
-        self.plan = None        # kernels.Plan of the fused path; False: tensor ops only
-
-
-class SparseContext:
-    """What decompress needs of a compress call: the tensor, and what to restore on a discard."""
-
-    __slots__ = ("name", "numel", "indices", "values", "u_sent")
-
-    def __init__(self, name, numel, indices, values, u_sent):
-        self.name, self.numel = name, numel
-        self.indices, self.values, self.u_sent = indices, values, u_sent
-
-
-class _BatchContext(SparseContext):
-    """A SparseContext of :meth:`DGCCore.compress_many` whose indices, values and u_sent are
-    views of the batch's buffers, made when first read (decompress reads them only to restore
-    the residual after a non-finite step)."""
-
-    __slots__ = ("_batch", "_start", "_count", "_masked", "_views")
-
-    def __init__(self, name, numel, batch, start, count, masked):
-        self.name, self.numel = name, numel
-        self._batch, self._start, self._count, self._masked = batch, start, count, masked
-        self._views = None
-
-    def _get(self, i):
-        if self._views is None:
-            self._views = self._batch.views(self._start, self._count, self._masked)
-        return self._views[i]
-
-    indices = property(lambda self: self._get(0))
-    values = property(lambda self: self._get(1))
-    u_sent = property(lambda self: self._get(2))
-
-
-class _Selected:
-    """What the contexts of one bucket_ops call view (see _BatchContext): the positions sent
-    (local to each tensor), their values and velocities, segment after segment."""
-
-    __slots__ = ("B", "local", "vals", "usent")
-
-    def __init__(self, B, local, vals, usent):
-        self.B, self.local, self.vals, self.usent = B, local, vals, usent
-
-    def views(self, start, count, masked):
-        B, end = self.B, start + count
-        return (B.slice(self.local, start, end), B.slice(self.vals, start, end),
-                B.slice(self.usent, start, end) if masked else None)
 
 
 class DGCCore:
@@ -224,7 +161,7 @@ class DGCCore:
         # the loss scale the state is in (set_loss_scale); None: unknown (a version-2
         # checkpoint), the next set_loss_scale adopts its scale without rescaling
         self._loss_scale = 1.0
-        self._flats = {}        # names of a bucket's sparsified tensors -> bucket_ops.FlatState
+        self._driver = BucketDriver(self)   # compress_many
 
     # the statistics, counted by the core's StatsRecorder
     step_stats = property(lambda self: self._stats.step, doc=(
@@ -360,7 +297,7 @@ class DGCCore:
         with self._lock:
             checkpoint.restore_generator(self.B, self._generator, state_dict["generator"])
             self.states = {name: TensorState(name, *t) for name, t in tensors.items()}
-            self._flats = {}
+            self._driver = BucketDriver(self)
             self.epoch = epoch
             self._steps = steps
             self._stats = stats
@@ -644,256 +581,7 @@ class DGCCore:
             TypeError / ValueError: as :meth:`compress` (a non-floating gradient, a changed size,
             a repeated name); every entry is checked before any state changes.
         """
-        entries = list(entries)
-        if len({e[0] for e in entries}) != len(entries):
-            seen = set()
-            for name, _, _ in entries:
-                if name in seen:
-                    raise ValueError(f"compress_many: the tensor {name!r} appears twice")
-                seen.add(name)
-        self._check_scale(clip_scale)
-        for name, _, _ in entries:
-            self._fit.check_name(name)
-        bucket = (len(entries) > 1 and self.config.wire_index == "delta16"
-                  and self.config.wire_values == "float32")
-        if not self.use_kernels or len(entries) < 2:
-            for name, grad, param in entries:
-                self.check_entry(name, grad, param)
-            if not bucket:
-                return [self.compress(name, grad, world_size, param, average, clip_scale)
-                        for name, grad, param in entries]
-            t0 = time.perf_counter()
-            with self._lock:
-                self._begin(entries[0][0])
-                return self._compress_ops(entries, world_size, average, clip_scale, t0)
-        B, c = self.B, self.config
-        t0 = time.perf_counter()
-        clip = (average, clip_scale)
-        with self._lock:
-            self._begin(entries[0][0])
-            states = self.states
-            numel, grad_ptr = B.numel, B.kernel_grad_ptr
-            needs_param = self.needs_param
-            # the usual entry: a sparsified tensor with its fused plan and a float32 gradient in
-            # host memory (kernel_grad_ptr: contiguous float32) of its size. Anything else is
-            # checked in full below, before any state changes, and classified then.
-            fused, others = {}, []          # entry index -> (st, plan, g, gp); the other entries
-            for i, (name, grad, param) in enumerate(entries):
-                st = states.get(name)
-                plan = st.plan if st is not None else None
-                gp = grad_ptr(grad) if plan and st.sparse else None
-                if (gp is not None and plan.u is st.u and plan.v is st.v
-                        and st.numel == numel(grad)
-                        and not (needs_param and (param is None or numel(param) != st.numel))):
-                    fused[i] = (st, plan, grad, gp)
-                else:
-                    others.append(i)
-            check = self.check_entry
-            for i in others:
-                check(*entries[i])
-            for i in others:
-                name, grad, _ = entries[i]
-                st = states.get(name)
-                if st is None:
-                    st = self._state(name, grad)
-                if not st.sparse:
-                    continue
-                g = B.float32_view(grad)                 # e.g. float16: a float32 copy
-                if not self._usable_plan(st, g):
-                    continue
-                plan, gp = st.plan, B.kernel_ptr(g)
-                if gp is not None:
-                    fused[i] = (st, plan, g, gp)
-            if others:
-                fused = dict(sorted(fused.items()))      # in entry order
-            if not fused and bucket:                     # e.g. CUDA tensors: tensor ops
-                return self._compress_ops(entries, world_size, average, clip_scale, t0)
-            threads = B.kernel_threads()
-            # (the batch kernel checks each gradient for NaN/Inf before it changes its state)
-            if len(fused) == len(entries):
-                return self._compress_batch(entries, fused, world_size, clip, threads, t0)
-            return self._compress_mixed(entries, fused, world_size, clip, threads, t0)
-
-    def _compress_ops(self, entries, world_size, average, clip_scale, t0):
-        """compress_many on tensor ops, a bucket at a time (:mod:`bucket_ops`: O(1) backend
-        calls for the bucket's sparsified tensors); the dense entries run as in compress. The
-        entries are checked and the lock is held."""
-        n = len(entries)
-        results, rows = [None] * n, [()] * n    # rows: statistics rows per entry
-        sparse = []
-        self._stats.hold()
-        try:
-            for i, (name, grad, param) in enumerate(entries):
-                if self._state(name, grad).sparse:
-                    sparse.append(i)
-                    continue
-                results[i] = self._compress_locked(name, grad, world_size, param,
-                                                   time.perf_counter(), average, clip_scale)
-                rows[i] = self._stats.take()
-            if sparse:
-                self._bucket_ops(entries, sparse, results, rows, world_size, average,
-                                 clip_scale, t0)
-        finally:
-            self._stats.release()
-        self._stats.count_rows([row for entry in rows for row in entry])
-        return results
-
-    def _bucket_ops(self, entries, sparse, results, rows, world_size, average, clip_scale, t0):
-        """The sparsified entries (indices ``sparse``) of _compress_ops: one bucket_ops.compress
-        over their flat state; fills results[i] and rows[i]."""
-        B, c = self.B, self.config
-        sts = [self.states[entries[i][0]] for i in sparse]
-        fs = self._flat_state(sts)
-        fs.load(B, sts)
-        grads, block = [entries[i][1] for i in sparse], bucket_ops.BLOCK
-        if c.clip_norm is not None and c.clip_scope == "tensor":   # a scale per tensor
-            acc = [self._accumulated(B.float32_view(g), entries[i][2], world_size, average)
-                   for g, i in zip(grads, sparse)]
-            g, scales = B.flat_cat([a for a, _ in acc], block), [s for _, s in acc]
-        else:
-            params = (B.flat_cat([entries[i][2] for i in sparse], block) if self.needs_param
-                      else None)
-            g, scale = self._accumulated(B.flat_cat(grads, block, reuse=True), params,
-                                         world_size, average, clip_scale)
-            scales = [scale]
-        segments = [(a, a + n) for a, n in zip(fs.offsets, fs.sizes)]
-        finite = ([True] * len(sts) if B.all_finite(g)
-                  else [B.all_finite(B.slice(g, a, b)) for a, b in segments])
-        if not (all(finite) and len(set(scales)) == 1):   # accumulate segment by segment
-            for st, (a, b), ok, s in zip(sts, segments, finite, scales * len(sts)
-                                         if len(scales) == 1 else scales):
-                if ok:
-                    momentum_correction(B, st.u, st.v, B.slice(g, a, b), c.momentum,
-                                        c.nesterov, s)
-            fs.load(B, sts)
-            g = None
-        density = self.density
-        payloads, words, counts, local, vals, u_sent = bucket_ops.compress(
-            B, c, self._generator, density, fs, g, scales[0], finite)
-        fs.store(B, sts)
-        share = (time.perf_counter() - t0) / sum(fs.sizes)
-        selected = _Selected(B, local, vals, u_sent)
-        masked = u_sent is not None
-        start = 0
-        for i, st, payload, w, cnt in zip(sparse, sts, payloads, words, counts):
-            if payload is None:                             # NaN/Inf: state untouched
-                results[i] = self._nonfinite(st, None, time.perf_counter(), drawn=True)
-                rows[i] = self._stats.take()
-                continue
-            results[i] = ("sparse", payload, _BatchContext(st.name, st.numel, selected, start,
-                                                           cnt, masked))
-            rows[i] = ((st, cnt, 4 * w + PLACEHOLDER_BYTES, False, share * st.numel, density,
-                        (0, 0)),)
-            start += cnt
-
-    def _flat_state(self, sts):
-        """The bucket_ops.FlatState of these tensors (made, and the tensors' state moved into
-        it, when they are new or their state was replaced)."""
-        key = tuple(st.name for st in sts)
-        fs = self._flats.get(key)
-        if fs is None or not fs.holds(sts):
-            fs = bucket_ops.FlatState(self.B, sts)
-            self._flats = {k: f for k, f in self._flats.items() if set(key).isdisjoint(k)}
-            self._flats[key] = fs
-        return fs
-
-    def _add_rows(self, batch, rows, world_size, clip):
-        """Add the fused entries rows = [(entry, (st, plan, g, gp))] to batch (which refreshes
-        their plans for its density), clipping (clip = (average, clip_scale)) and weight decay
-        applied."""
-        B, c = self.B, self.config
-        simple = c.clip_norm is None and not self.needs_param
-        add = batch.add
-        for (_, _, param), (st, plan, g, gp) in rows:
-            scale = 1.0
-            if not simple:
-                g, scale = self._accumulated(B.float32_view(g), param, world_size, *clip)
-                gp = B.kernel_ptr(g)
-            add(st, plan, g, gp, scale)
-
-    def _compress_batch(self, entries, fused, world_size, clip, threads, t0):
-        """compress_many when every entry is in the batch (the usual bucket)."""
-        batch = kernels.Batch(self.B, self.config, self._generator, self.density, threads)
-        self._add_rows(batch, zip(entries, fused.values()), world_size, clip)
-        batch.run(like=batch.rows[0][0].v)
-        seconds = time.perf_counter() - t0
-        if batch.all_finished:
-            masked, ctx = batch.masking, _BatchContext
-            sts = [row[0] for row in batch.rows]
-            results = [("sparse", pay, ctx(st.name, st.numel, batch, start, cnt, masked))
-                       for st, pay, start, cnt in zip(sts, batch.payloads, batch.starts,
-                                                      batch.counts)]
-            batch.release()
-            self._stats.count_batch(sts, batch.counts, batch.words, seconds, self.density)
-            return results
-        n = len(entries)
-        results, counts = [None] * n, [()] * n
-        self._stats.hold()
-        try:
-            self._batch_results(batch, list(range(n)), counts, results, seconds)
-        finally:
-            self._stats.release()
-        self._stats.count_rows([row for entry in counts for row in entry])
-        return results
-
-    def _compress_mixed(self, entries, fused, world_size, clip, threads, t0):
-        """compress_many when some entries run as in compress (dense, non-finite large, ...)."""
-        results = [None] * len(entries)
-        batch = kernels.Batch(self.B, self.config, self._generator, self.density, threads)
-        rows = []
-        counts = [()] * len(entries)    # statistics rows per entry, added in entry order
-        t_other = 0.0                   # time spent on the entries outside the batch
-        self._stats.hold()
-        try:
-            # in entry order, so the random draws come in the order compress() makes them
-            for i, (name, grad, param) in enumerate(entries):
-                f = fused.get(i)
-                if f is None:
-                    batch.draw()                 # the batch rows' draws come first
-                    t1 = time.perf_counter()
-                    results[i] = self._compress_locked(name, grad, world_size, param, t1, *clip)
-                    counts[i] = self._stats.take()
-                    t_other += time.perf_counter() - t1
-                    continue
-                rows.append(i)
-                self._add_rows(batch, (((name, grad, param), f),), world_size, clip)
-            if rows:
-                batch.run(like=batch.rows[0][0].v)
-                self._batch_results(batch, rows, counts, results,
-                                    time.perf_counter() - t0 - t_other)
-        finally:
-            self._stats.release()
-        self._stats.count_rows([row for entry in counts for row in entry])
-        return results
-
-    def _batch_results(self, batch, rows, counts, results, seconds):
-        """Fill results[i] and counts[i] (statistics rows) for the batch rows (entry indices
-        rows, in batch order) after batch.run(); the rows the kernel left finish here. The
-        caller holds the statistics rows (StatsRecorder.hold) and counts them afterwards."""
-        density, masked = self.density, batch.masking
-        share = seconds / sum(row[0].numel for row in batch.rows)
-        finished = batch.finished()
-        for r, i in enumerate(rows):
-            done = finished.get(r)
-            if done is None:
-                st, plan, thr, cnt = batch.result(r)
-                if cnt is None:                              # NaN/Inf: state untouched
-                    results[i] = self._nonfinite(st, batch.rows[r][2], time.perf_counter(),
-                                                 drawn=True)
-                else:
-                    idx = kernels.select_rest(self.B, self.config, self._generator, st, plan,
-                                              thr, cnt, -1, None)
-                    results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
-                                                    density)
-                counts[i] = self._stats.take()
-                continue
-            st = batch.rows[r][0]
-            payload, start, count, words = done
-            counts[i] = ((st, count, 4 * words + PLACEHOLDER_BYTES, False, share * st.numel,
-                          density, (0, 0)),)
-            results[i] = ("sparse", payload, _BatchContext(
-                st.name, st.numel, batch, start, count, masked))
-        batch.release()                  # the contexts keep only the output buffers
+        return self._driver.compress_many(entries, world_size, average, clip_scale)
 
     def _check_args(self, name, grad, param):
         """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
