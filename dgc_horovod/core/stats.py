@@ -35,7 +35,7 @@ class CompressionStats:
         nonfinite_tensors (int): tensors whose local gradient had NaN/Inf (not accumulated).
         overflowed_entries (int): with ``wire_values="float16"``, selected values beyond
             float16's range (|v| >= 65520, which a float16 cast makes ±inf): sent as ±inf, so
-            the step's update is non-finite on every rank (see :mod:`dgc_horovod.core.compressor`).
+            the step's update is non-finite on every rank (see :mod:`dgc_horovod.core.precision`).
         flushed_entries (int): with ``wire_values="float16"``, non-zero selected values that
             float16 rounds to 0 (|v| <= 2**-25): sent as 0, the value stays in the residual.
         compress_seconds (float): wall time spent in compress (accumulate + select + encode), s.

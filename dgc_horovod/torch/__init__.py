@@ -82,7 +82,7 @@ class DGC(DGCAdapter, Compressor):
     new / old, clipping compares the unscaled norm with ``clip_norm`` and weight decay adds
     λ·scale·w, so that after ``scaler.unscale_(opt)`` the update is the one DGC gives without a
     loss scaler (bit-identical with GradScaler's power-of-two scales; the equations:
-    :mod:`dgc_horovod.core.compressor`). Without ``loss_scaler`` DGC works on the scaled
+    :mod:`dgc_horovod.core.precision`). Without ``loss_scaler`` DGC works on the scaled
     gradients as they come: its state is then wrong by old / new after every change of scale.
 
     Attributes: config (DGCConfig), stats (the most recent step's CompressionStats of this rank:
