@@ -319,22 +319,14 @@ class DGCCore:
             self._begin(name)
             return self._compress_locked(name, grad, world_size, param, t0, average, clip_scale)
 
-    def _usable_plan(self, st, g):
-        """st's kernels.Plan when the fused path applies to it now, else False/None."""
-        plan = st.plan if self.use_kernels else False
-        if plan and (plan.u is not st.u or plan.v is not st.v):
-            plan = None                           # the state tensors were replaced
-        if plan is None and st.sparse:
-            plan = self._plan(st, g)
-        return plan
-
     def _compress_locked(self, name, grad, world_size, param, t0, average=True,
                          clip_scale=None):
         """The body of :meth:`compress` (self._lock held)."""
         B, c = self.B, self.config
         st = self._state(name, grad)
         g = B.float32_view(grad)                  # read only from here on
-        plan = self._usable_plan(st, g)
+        density = self.density
+        plan = kernels.usable_plan(B, st, g, c, density, self.use_kernels)
         # the gradient that is accumulated is the one checked for NaN/Inf (with weight decay a
         # NaN parameter must not reach the residual either)
         g, scale = self._accumulated(g, param, world_size, average, clip_scale)
@@ -343,16 +335,17 @@ class DGCCore:
         if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
                 else B.all_finite(g)):
             return self._nonfinite(st, g, t0, drawn=False)
-        if gp is not None:
-            return self._compress_fused(st, plan, g, gp, scale, t0, threads)
+        if gp is not None:                        # the fused kernels
+            idx = kernels.accumulate_select(B, c, self._generator, st, plan, density, g, gp,
+                                            scale, threads)
+            return self._fused_finish(st, plan, idx, t0, density)
         if not st.sparse:
             v = B.zeros(st.numel, like=g)
             momentum_correction(B, st.u, v, g, c.momentum, c.nesterov, scale)
-            self._stats.count(st, 0, 4 * st.numel, False, time.perf_counter() - t0,
-                              self.density)
+            self._stats.count(st, 0, 4 * st.numel, False, time.perf_counter() - t0, density)
             return "dense", v, None
         momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov, scale)
-        k = k_for(st.numel, self.density)
+        k = k_for(st.numel, density)
         idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
         return self._finish_ops(st, idx, t0)
 
@@ -560,14 +553,6 @@ class DGCCore:
             raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
                              f"created for {st.numel}")
 
-    def _compress_fused(self, st, plan, g, gp, scale, t0, threads):
-        """The sparse branch of compress on the fused kernels (st.plan applies, g is the finite
-        gradient to accumulate, with its clipping scale)."""
-        density = self.density
-        idx = kernels.accumulate_select(self.B, self.config, self._generator, st, plan, density,
-                                        g, gp, scale, threads)
-        return self._fused_finish(st, plan, idx, t0, density)
-
     def _fused_finish(self, st, plan, idx, t0, density):
         """Gather, clear and encode idx after the fused accumulation and selection."""
         B, c = self.B, self.config
@@ -580,17 +565,6 @@ class DGCCore:
         self._stats.count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
                           time.perf_counter() - t0, density)
         return "sparse", payload, SparseContext(st.name, st.numel, idx, vals, u_sent)
-
-    def _plan(self, st, g):
-        """The tensor's kernels.Plan, or False when the fused path does not apply to it."""
-        B = self.B
-        plan = False
-        if (self.use_kernels and kernels.available() and B.kernel_fma() is not None
-                and B.kernel_ptr(st.v) is not None and B.kernel_ptr(g) is not None
-                and (st.u is None or B.kernel_ptr(st.u) is not None)):
-            plan = kernels.Plan(B, st, self.config, B.kernel_fma(), self.density)
-        st.plan = plan
-        return plan
 
     def _finish_ops(self, st, idx, t0, sorted_=False):
         """Gather, clear and encode the selected positions idx with tensor ops."""

@@ -94,7 +94,8 @@ class BucketDriver:
                 if not st.sparse:
                     continue
                 g = B.float32_view(grad)                 # e.g. float16: a float32 copy
-                if not core._usable_plan(st, g):
+                if not kernels.usable_plan(B, st, g, core.config, core.density,
+                                           core.use_kernels):
                     continue
                 plan, gp = st.plan, B.kernel_ptr(g)
                 if gp is not None:
