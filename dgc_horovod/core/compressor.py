@@ -275,15 +275,23 @@ class DGCCore:
 
     # ----------------------------------------------------------------- state
     def _state(self, name, grad):
+        """The tensor's state, made at its first compress (after the size checks)."""
         numel = self.B.numel(grad)
-        st = self.states.get(name)
+        st = self._sized(name, numel)
         if st is None:
-            wire.check_numel(numel, name)
             ndim = self.B.ndim(grad)
             sparse = is_sparse(numel, ndim, self.config)
             u = self.B.zeros(numel, like=grad) if self.config.momentum > 0 else None
             v = self.B.zeros(numel, like=grad) if sparse else None
             st = self.states[name] = TensorState(name, numel, sparse, u, v, ndim)
+        return st
+
+    def _sized(self, name, numel):
+        """The tensor's state, or None for a new one, once its gradient's size (numel) is
+        checked: against the state's, or (new) against what the wire format can carry."""
+        st = self.states.get(name)
+        if st is None:
+            wire.check_numel(numel, name)
         elif st.numel != numel:
             raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
                              f"created for {st.numel}")
@@ -543,15 +551,8 @@ class DGCCore:
         """Raise what :meth:`compress` would raise for this entry (the size against the tensor's
         state included) without touching any state: compress_many runs them all before it
         changes anything, and an adapter that defers a tensor to a bucket runs them at once."""
-        B = self.B
         self._check_args(name, grad, param)
-        st = self.states.get(name)
-        numel = B.numel(grad)
-        if st is None:
-            wire.check_numel(numel, name)
-        elif st.numel != numel:
-            raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
-                             f"created for {st.numel}")
+        self._sized(name, self.B.numel(grad))
 
     def _fused_finish(self, st, plan, idx, t0, density):
         """Gather, clear and encode idx after the fused accumulation and selection."""
