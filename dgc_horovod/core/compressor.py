@@ -28,11 +28,12 @@ On CPU tensors (NumPy, or torch in host memory) the sparse branch of compress ru
 of the fused C kernels of :mod:`dgc_horovod.core.kernels` (one memory pass for the accumulation,
 the selection and encoding on the few candidates) instead of ~40 tensor ops; CUDA tensors,
 TensorFlow, or ``DGCCore.use_kernels = False`` use the tensor ops of :mod:`accumulate`,
-:mod:`sparsify` and :mod:`wire`. Both paths give bit-identical results. :meth:`DGCCore.compress_many`
-compresses a bucket of tensors in one batch-kernel call (same results as one compress per tensor,
-with far less per-tensor overhead, spread over threads), or, on tensor ops, with
-:mod:`bucket_ops`: the same steps over the bucket's flat u and v (each tensor's u and v are views
-of one buffer each), O(1) backend calls per bucket instead of dozens per tensor, same results.
+:mod:`sparsify` and :mod:`wire`. Both paths give bit-identical results.
+:meth:`DGCCore.compress_many` (the bucket driver, :mod:`driver`) compresses a bucket of tensors
+in one batch-kernel call (same results as one compress per tensor, with far less per-tensor
+overhead, spread over threads), or, on tensor ops, with :mod:`bucket_ops`: the same steps over
+the bucket's flat u and v (each tensor's u and v are views of one buffer each), O(1) backend
+calls per bucket instead of dozens per tensor, same results.
 
 Tensors that are not sparsified (:func:`~dgc_horovod.core.sparsify.is_sparse`: by default
 those with fewer than 2 dimensions, biases and normalisation scales, as in the reference code)
@@ -198,6 +199,47 @@ class DGCCore:
                              "(needed with warmup_epochs)")
         self.set_epoch(step / steps_per_epoch)
 
+    # ----------------------------------------------------------------- loss scale
+    @property
+    def loss_scale(self):
+        """The loss scale S the state (u, v, wd) is in and the gradients of the current step
+        carry: 1.0 unless :meth:`set_loss_scale` set another (see :mod:`precision`)."""
+        s = self._loss_scale
+        return 1.0 if s is None else s
+
+    def set_loss_scale(self, scale):
+        """Tell DGC the loss scale S_t of the step about to begin (a loss scaler's current
+        scale); call it between steps, before the step's first compress, on every rank alike.
+
+        When S_t differs from :attr:`loss_scale` S, every tensor's u, v and wd are multiplied by
+        S_t/S (exact when both are powers of two), so the state is in the units of the step's
+        gradients; clipping compares the unscaled norm (threshold T·S_t) and weight decay adds
+        λ·S_t·w. After a division by S_t (GradScaler.unscale_) the update is then the one DGC
+        gives without loss scaling (the equations: :mod:`precision`). A tensor whose state
+        becomes non-finite is dropped (zeroed, one warning). After loading a version-2
+        checkpoint (no recorded scale) the first call adopts S_t without rescaling.
+
+        Args: scale (float): S_t, a finite number > 0.
+        Raises: ValueError: scale is not a finite number > 0 (nothing changes).
+        """
+        try:
+            value = float(scale) if not isinstance(scale, (bool, str)) else None
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not 0.0 < value < _INF:
+            raise ValueError(f"DGC: the loss scale must be a finite number > 0, got "
+                             f"{type(scale).__name__} {scale!r}")
+        scale = value
+        with self._lock:
+            previous, self._loss_scale = self._loss_scale, scale
+            if previous is None or previous == scale:
+                return
+            for st in precision.rescale(self.B, self.states.values(), scale / previous):
+                self._warn_once("rescale_overflow", (
+                    f"DGC: rescaling the state of {st.name!r} from loss scale {previous:g} "
+                    f"to {scale:g} overflowed float32: its u and v restart at zero (a "
+                    "one-off loss of its unsent gradient on this rank)"))
+
     # ----------------------------------------------------------------- checkpoint / resume
     def state_dict(self, world_size=None, rank=None):
         """Everything needed to resume this worker bit-identically, as a plain dict.
@@ -273,7 +315,7 @@ class DGCCore:
         itself. No-op otherwise. Changes nothing."""
         self._fit.check(names)
 
-    # ----------------------------------------------------------------- state
+    # ----------------------------------------------------------------- state and checks
     def _state(self, name, grad):
         """The tensor's state, made at its first compress (after the size checks)."""
         numel = self.B.numel(grad)
@@ -297,7 +339,41 @@ class DGCCore:
                              f"created for {st.numel}")
         return st
 
-    # ----------------------------------------------------------------- compress / decompress
+    def _check_args(self, name, grad, param):
+        """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
+        weight decay needs it, and after a load, a loaded state (:meth:`check_fit`)."""
+        self._fit.check_name(name)
+        if not self.B.is_floating(grad):
+            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
+                            f"got dtype {getattr(grad, 'dtype', type(grad))}")
+        if self.needs_param:
+            if param is None:
+                raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the "
+                                 f"parameter of {name!r} (param=...), got None")
+            if self.B.numel(param) != self.B.numel(grad):
+                raise ValueError(f"DGC: the parameter of {name!r} has {self.B.numel(param)} "
+                                 f"elements, its gradient {self.B.numel(grad)}: they must match "
+                                 "(weight_decay adds λ·param to the gradient)")
+
+    def check_entry(self, name, grad, param=None):
+        """Raise what :meth:`compress` would raise for this entry (the size against the tensor's
+        state included) without touching any state: compress_many runs them all before it
+        changes anything, and an adapter that defers a tensor to a bucket runs them at once."""
+        self._check_args(name, grad, param)
+        self._sized(name, self.B.numel(grad))
+
+    def _check_scale(self, clip_scale):
+        if not self.needs_clip_scale:
+            return
+        if clip_scale is None:
+            raise ValueError("DGC: clip_scope='global' needs the step's clipping factor: pass "
+                             "clip_scale=core.clip_scale(<all of this rank's gradients of the "
+                             "step>, world_size, average)")
+        if isinstance(clip_scale, bool) or not 0.0 <= float(clip_scale) <= 1.0:
+            raise ValueError(f"DGC: clip_scale must be a float in [0, 1], got {clip_scale!r}")
+
+    # ----------------------------------------------------------------- compress
+    # the steps in order: check, clip, accumulate, select, mask, encode (then decompress)
     def compress(self, name, grad, world_size, param=None, average=True, clip_scale=None):
         """Accumulate a local gradient and produce what goes on the wire.
 
@@ -326,6 +402,32 @@ class DGCCore:
         with self._lock:
             self._begin(name)
             return self._compress_locked(name, grad, world_size, param, t0, average, clip_scale)
+
+    def compress_many(self, entries, world_size, average=True, clip_scale=None):
+        """Compress several gradients at once (a bucket): the same results, state and random
+        draws as ``[self.compress(name, grad, world_size, param) for name, grad, param in
+        entries]``, but on the fused path one kernel call does every sparsified tensor's
+        finiteness check and one more does the accumulation, selection and encoding, spread over
+        the backend's threads (:class:`kernels.Batch`). Tensors the fused path does not cover
+        (dense, CUDA, float16 wire values, non-finite, ...) run as in :meth:`compress`. On
+        tensor ops (``use_kernels = False``, CUDA tensors, TensorFlow) the sparsified tensors of
+        a bucket with the default wire format (delta16 indices, float32 values) run as one
+        bucket (:mod:`~dgc_horovod.core.bucket_ops`: O(1) backend calls whatever the number of
+        tensors); other wire formats run one :meth:`compress` per tensor.
+
+        Args:
+            entries: sequence of (name, grad, param) tuples (param None unless weight_decay > 0);
+                names must be distinct.
+            world_size (int): N, ranks taking part. average, clip_scale: as :meth:`compress`
+                (one clip_scale for the whole step).
+        Returns:
+            list of the :meth:`compress` results, in the order of ``entries``. The statistics'
+            compress_seconds of the batched tensors is the batch's time shared by element count.
+        Raises:
+            TypeError / ValueError: as :meth:`compress` (a non-floating gradient, a changed size,
+            a repeated name); every entry is checked before any state changes.
+        """
+        return self._driver.compress_many(entries, world_size, average, clip_scale)
 
     def _compress_locked(self, name, grad, world_size, param, t0, average=True,
                          clip_scale=None):
@@ -357,6 +459,28 @@ class DGCCore:
         idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
         return self._finish_ops(st, idx, t0)
 
+    @property
+    def needs_clip_scale(self):
+        """True when compress needs the step's ``clip_scale`` (clip_norm with global scope)."""
+        return self.config.clip_norm is not None and self.config.clip_scope == "global"
+
+    def clip_scale(self, grads, world_size, average=True):
+        """This rank's local clipping factor of the step (§3.2, ``clip_scope="global"``).
+
+        s = min(1, T / (‖G_k‖ + 1e-6)) with ‖G_k‖ the global L2 norm over ``grads`` (all of this
+        rank's gradients of the step, dense and sparsified, in a fixed order; tensors with
+        NaN/Inf left out, see :func:`~dgc_horovod.core.accumulate.global_norm`) and T the
+        threshold of :func:`~dgc_horovod.core.accumulate.clip_threshold` (C·√N under Average,
+        C/√N under Sum). On iid gradients this clips as often and as much as a dense
+        ``clip_grad_norm_(C)`` of the averaged gradient. 1.0 when clip_norm is None. Under a
+        loss scale S (:meth:`set_loss_scale`) the unscaled norm ‖G_k‖/S is compared with T.
+        """
+        c = self.config
+        if c.clip_norm is None:
+            return 1.0
+        return clip_factor(global_norm(self.B, grads) / self.loss_scale,
+                           clip_threshold(c.clip_norm, world_size, average))
+
     def _accumulated(self, g, param, world_size, average=True, clip_scale=None):
         """(gradient, clipping scale still to apply) that momentum correction accumulates, from
         the flat float32 gradient g: g with its local clipping factor (§3.2: the step's global
@@ -387,78 +511,6 @@ class DGCCore:
         (weight_decay > 0 with ``weight_decay_mode="separate"``)."""
         c = self.config
         return bool(c.weight_decay) and c.weight_decay_mode == "separate"
-
-    @property
-    def needs_clip_scale(self):
-        """True when compress needs the step's ``clip_scale`` (clip_norm with global scope)."""
-        return self.config.clip_norm is not None and self.config.clip_scope == "global"
-
-    def _check_scale(self, clip_scale):
-        if not self.needs_clip_scale:
-            return
-        if clip_scale is None:
-            raise ValueError("DGC: clip_scope='global' needs the step's clipping factor: pass "
-                             "clip_scale=core.clip_scale(<all of this rank's gradients of the "
-                             "step>, world_size, average)")
-        if isinstance(clip_scale, bool) or not 0.0 <= float(clip_scale) <= 1.0:
-            raise ValueError(f"DGC: clip_scale must be a float in [0, 1], got {clip_scale!r}")
-
-    def clip_scale(self, grads, world_size, average=True):
-        """This rank's local clipping factor of the step (§3.2, ``clip_scope="global"``).
-
-        s = min(1, T / (‖G_k‖ + 1e-6)) with ‖G_k‖ the global L2 norm over ``grads`` (all of this
-        rank's gradients of the step, dense and sparsified, in a fixed order; tensors with
-        NaN/Inf left out, see :func:`~dgc_horovod.core.accumulate.global_norm`) and T the
-        threshold of :func:`~dgc_horovod.core.accumulate.clip_threshold` (C·√N under Average,
-        C/√N under Sum). On iid gradients this clips as often and as much as a dense
-        ``clip_grad_norm_(C)`` of the averaged gradient. 1.0 when clip_norm is None. Under a
-        loss scale S (:meth:`set_loss_scale`) the unscaled norm ‖G_k‖/S is compared with T.
-        """
-        c = self.config
-        if c.clip_norm is None:
-            return 1.0
-        return clip_factor(global_norm(self.B, grads) / self.loss_scale,
-                           clip_threshold(c.clip_norm, world_size, average))
-
-    @property
-    def loss_scale(self):
-        """The loss scale S the state (u, v, wd) is in and the gradients of the current step
-        carry: 1.0 unless :meth:`set_loss_scale` set another (see :mod:`precision`)."""
-        s = self._loss_scale
-        return 1.0 if s is None else s
-
-    def set_loss_scale(self, scale):
-        """Tell DGC the loss scale S_t of the step about to begin (a loss scaler's current
-        scale); call it between steps, before the step's first compress, on every rank alike.
-
-        When S_t differs from :attr:`loss_scale` S, every tensor's u, v and wd are multiplied by
-        S_t/S (exact when both are powers of two), so the state is in the units of the step's
-        gradients; clipping compares the unscaled norm (threshold T·S_t) and weight decay adds
-        λ·S_t·w. After a division by S_t (GradScaler.unscale_) the update is then the one DGC
-        gives without loss scaling (the equations: :mod:`precision`). A tensor whose state
-        becomes non-finite is dropped (zeroed, one warning). After loading a version-2
-        checkpoint (no recorded scale) the first call adopts S_t without rescaling.
-
-        Args: scale (float): S_t, a finite number > 0.
-        Raises: ValueError: scale is not a finite number > 0 (nothing changes).
-        """
-        try:
-            value = float(scale) if not isinstance(scale, (bool, str)) else None
-        except (TypeError, ValueError):
-            value = None
-        if value is None or not 0.0 < value < _INF:
-            raise ValueError(f"DGC: the loss scale must be a finite number > 0, got "
-                             f"{type(scale).__name__} {scale!r}")
-        scale = value
-        with self._lock:
-            previous, self._loss_scale = self._loss_scale, scale
-            if previous is None or previous == scale:
-                return
-            for st in precision.rescale(self.B, self.states.values(), scale / previous):
-                self._warn_once("rescale_overflow", (
-                    f"DGC: rescaling the state of {st.name!r} from loss scale {previous:g} "
-                    f"to {scale:g} overflowed float32: its u and v restart at zero (a "
-                    "one-off loss of its unsent gradient on this rank)"))
 
     def apply_weight_decay(self, name, update, param):
         """``weight_decay_mode="separate"``: add the weight decay term to the exchanged update of
@@ -504,55 +556,6 @@ class DGCCore:
             result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
         self._stats.count(st, 0, nbytes, True, time.perf_counter() - t0, self.density)
         return result
-
-    def compress_many(self, entries, world_size, average=True, clip_scale=None):
-        """Compress several gradients at once (a bucket): the same results, state and random
-        draws as ``[self.compress(name, grad, world_size, param) for name, grad, param in
-        entries]``, but on the fused path one kernel call does every sparsified tensor's
-        finiteness check and one more does the accumulation, selection and encoding, spread over
-        the backend's threads (:class:`kernels.Batch`). Tensors the fused path does not cover
-        (dense, CUDA, float16 wire values, non-finite, ...) run as in :meth:`compress`. On
-        tensor ops (``use_kernels = False``, CUDA tensors, TensorFlow) the sparsified tensors of
-        a bucket with the default wire format (delta16 indices, float32 values) run as one
-        bucket (:mod:`~dgc_horovod.core.bucket_ops`: O(1) backend calls whatever the number of
-        tensors); other wire formats run one :meth:`compress` per tensor.
-
-        Args:
-            entries: sequence of (name, grad, param) tuples (param None unless weight_decay > 0);
-                names must be distinct.
-            world_size (int): N, ranks taking part. average, clip_scale: as :meth:`compress`
-                (one clip_scale for the whole step).
-        Returns:
-            list of the :meth:`compress` results, in the order of ``entries``. The statistics'
-            compress_seconds of the batched tensors is the batch's time shared by element count.
-        Raises:
-            TypeError / ValueError: as :meth:`compress` (a non-floating gradient, a changed size,
-            a repeated name); every entry is checked before any state changes.
-        """
-        return self._driver.compress_many(entries, world_size, average, clip_scale)
-
-    def _check_args(self, name, grad, param):
-        """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
-        weight decay needs it, and after a load, a loaded state (:meth:`check_fit`)."""
-        self._fit.check_name(name)
-        if not self.B.is_floating(grad):
-            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
-                            f"got dtype {getattr(grad, 'dtype', type(grad))}")
-        if self.needs_param:
-            if param is None:
-                raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the "
-                                 f"parameter of {name!r} (param=...), got None")
-            if self.B.numel(param) != self.B.numel(grad):
-                raise ValueError(f"DGC: the parameter of {name!r} has {self.B.numel(param)} "
-                                 f"elements, its gradient {self.B.numel(grad)}: they must match "
-                                 "(weight_decay adds λ·param to the gradient)")
-
-    def check_entry(self, name, grad, param=None):
-        """Raise what :meth:`compress` would raise for this entry (the size against the tensor's
-        state included) without touching any state: compress_many runs them all before it
-        changes anything, and an adapter that defers a tensor to a bucket runs them at once."""
-        self._check_args(name, grad, param)
-        self._sized(name, self.B.numel(grad))
 
     def _fused_finish(self, st, plan, idx, t0, density):
         """Gather, clear and encode idx after the fused accumulation and selection."""
