@@ -45,7 +45,7 @@ import torch
 
 from conftest import ROOT
 from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend, kernels, wire
-from dgc_horovod.core.compressor import _BatchContext
+from dgc_horovod.core.driver import _BatchContext
 from dgc_horovod.backends.torch_backend import TorchBackend
 from helpers import F32, convert, raw, same_gen, to_np
 

@@ -1,6 +1,6 @@
 """Loss scaling (DGCCore.set_loss_scale, the torch adapter's ``DGC(loss_scaler=...)``).
 
-The core's rule (module docstring of dgc_horovod/core/compressor.py): the state is kept in the
+The core's rule (module docstring of dgc_horovod/core/precision.py): the state is kept in the
 units of the current loss scale S, rescaled by S_t/S when the scale changes; clipping compares
 the unscaled norm, weight decay adds λ·S_t·w. So training on S_t·g and dividing each update by
 S_t must give exactly the updates of training on g, with power-of-two scales bit for bit.

@@ -2,9 +2,12 @@
 
 Files follow one gradient: :mod:`accumulate` (clipping, momentum correction, masking) →
 :mod:`sparsify` (top-k) → :mod:`wire` (encode / decode) → :mod:`compressor` (the per-worker
-algorithm and its state), with :mod:`warmup` (sparsity schedule), :mod:`stats` (the counters and
-their recorder), :mod:`checkpoint` (the state dict and its checks), :mod:`kernels` (the fused
-CPU path) and :mod:`backend` (the tensor interface, and its NumPy reference implementation).
+algorithm: the steps in order; each tensor's state in :mod:`state`) and :mod:`driver` (the same
+steps over a bucket, ``compress_many``; :mod:`bucket_ops` on tensor ops), with :mod:`warmup`
+(sparsity schedule), :mod:`precision` (loss scaling, float16 wire values), :mod:`stats` (the
+counters and their recorder), :mod:`checkpoint` (the state dict and its checks), :mod:`kernels`
+(the fused CPU path) and :mod:`backend` (the tensor interface, and its NumPy reference
+implementation).
 """
 from dgc_horovod.core.backend import Backend, NumpyBackend
 from dgc_horovod.core.compressor import DGCCore, PLACEHOLDER_BYTES

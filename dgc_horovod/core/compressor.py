@@ -28,11 +28,12 @@ On CPU tensors (NumPy, or torch in host memory) the sparse branch of compress ru
 of the fused C kernels of :mod:`dgc_horovod.core.kernels` (one memory pass for the accumulation,
 the selection and encoding on the few candidates) instead of ~40 tensor ops; CUDA tensors,
 TensorFlow, or ``DGCCore.use_kernels = False`` use the tensor ops of :mod:`accumulate`,
-:mod:`sparsify` and :mod:`wire`. Both paths give bit-identical results. :meth:`DGCCore.compress_many`
-compresses a bucket of tensors in one batch-kernel call (same results as one compress per tensor,
-with far less per-tensor overhead, spread over threads), or, on tensor ops, with
-:mod:`bucket_ops`: the same steps over the bucket's flat u and v (each tensor's u and v are views
-of one buffer each), O(1) backend calls per bucket instead of dozens per tensor, same results.
+:mod:`sparsify` and :mod:`wire`. Both paths give bit-identical results.
+:meth:`DGCCore.compress_many` (the bucket driver, :mod:`driver`) compresses a bucket of tensors
+in one batch-kernel call (same results as one compress per tensor, with far less per-tensor
+overhead, spread over threads), or, on tensor ops, with :mod:`bucket_ops`: the same steps over
+the bucket's flat u and v (each tensor's u and v are views of one buffer each), O(1) backend
+calls per bucket instead of dozens per tensor, same results.
 
 Tensors that are not sparsified (:func:`~dgc_horovod.core.sparsify.is_sparse`: by default
 those with fewer than 2 dimensions, biases and normalisation scales, as in the reference code)
@@ -51,54 +52,11 @@ tensor's sample draws (s uniforms, see sparsify.sample_count) are drawn, and dro
 non-finite step too, so the random stream depends only on which tensors are compressed: one
 compress_many call draws a bucket's samples at once, before it knows which gradients are finite.
 
-float16 wire values (``wire_values="float16"``) overflow as a dense float16 exchange does: the
-selected values are cast to float16 as they are, so one beyond float16's range (|v| >= 65520)
-is sent as ±inf (not clamped: a loss scaler must see it). Every rank then decodes a non-finite
-value, so the step is non-finite on every rank alike, as above: each rank gets NaN for that
-tensor, and the ranks that did not overflow put back the entries they sent. The rank that
-overflowed drops the tensor's state instead: its u and v restart at zero, as after an elastic
-reset (a one-off loss of that tensor's unsent gradient on that rank). A loss scaler (torch.amp
-GradScaler, Keras LossScaleOptimizer) therefore skips the step and backs off, and no NaN/Inf
-enters u or v. Why drop: backing off shrinks the next gradients, but (without
-:meth:`DGCCore.set_loss_scale`) u and v hold what was accumulated at the old scale; kept (even
-with only the overflowed entries removed), they overflow again at the next steps whatever the
-new scale (momentum decays by m per step only), and the scaler backs off step after step while
-training stands still. (With set_loss_scale the other tensors' states follow the scale down;
-the overflowed tensor's state is still dropped on the rank that overflowed.) Values
-that float16 rounds to 0 (|v| <= 2**-25) are sent as 0 and stay in the residual. Both are
-counted in the statistics (``overflowed_entries``, ``flushed_entries``), each with a one-time
-warning naming the tensor. On the other ranks a skipped step's accumulation is kept (u and v
-hold this step's gradient; only the sent entries are put back): their state is not rolled back
-to before the step.
-
-Loss scaling (mixed precision; the PyTorch adapter's ``DGC(loss_scaler=...)`` calls
-:meth:`DGCCore.set_loss_scale` once per step, before the step's first compress). Under a loss
-scaler the gradient handed to DGC at step t is S_t·g_t (S_t: the step's loss scale, g_t: the
-gradient of the loss itself), and the optimizer receives the exchanged update divided by S_t
-(GradScaler.unscale_). DGC keeps every tensor's state in the units of the scale it was
-accumulated at, :attr:`DGCCore.loss_scale` S: with u, v, b the state of the unscaled algorithm
-(b: the separate weight decay's buffer), the core holds S·u, S·v, S·b. At a step whose scale
-differs, set_loss_scale first multiplies each of them by S_t/S; then, with c_t the clipping
-factor and T the clipping threshold,
-
-    S_t·u_t = m·(S_t·u_{t−1}) + c_t·(S_t·g_t) + (λ·S_t)·w    =  S_t·(m·u_{t−1} + c_t·g_t + λ·w)
-    S_t·v_t = S_t·v_{t−1} + S_t·u_t                           =  S_t·(v_{t−1} + u_t)
-    c_t     = min(1, T / (‖S_t·g_t‖/S_t + ε))                  (the threshold is T·S_t)
-    S_t·b_t = m·(S_t·b_{t−1}) + (λ·S_t)·w                     (weight_decay_mode "separate")
-
-(λ·w only with weight decay, in the mode's place). Momentum correction, the residual, top-k of
-|v|, the exchange and the average are linear or scale-invariant, so every value sent and the
-decoded update are S_t times the unscaled algorithm's, and after the division by S_t the
-optimizer receives the update DGC would give without a loss scaler. GradScaler's scales are
-powers of two (init 2**16, halved or doubled), so each of these products is exact in floating
-point (barring float32 over/underflow) and the update is bit-identical to training without a
-scaler. Why the state follows the scale instead of being kept unscaled (each gradient divided
-by S_t on entry): the rescaling pass runs only when the scale changes (a back-off, or a growth
-every growth_interval steps), not every step, and the values sent stay those of the scaled
-gradient, so float16 wire values overflow exactly when the scale is too large for float16, as a
-dense float16 exchange would, and the scaler sees it. A tensor whose state the rescaling makes
-non-finite (float32 overflow after a growth) is dropped (u, v, b restart at zero, one warning),
-as on a float16 overflow, so no NaN/Inf enters u or v. Without set_loss_scale, S = 1.
+Mixed precision (:mod:`~dgc_horovod.core.precision`): float16 wire values overflow as a dense
+float16 exchange does (sent as ±inf: the step is non-finite on every rank alike, as above, and
+the rank that overflowed drops its state of the tensor, u and v restart at zero), and under a
+loss scaler (:meth:`DGCCore.set_loss_scale`) every tensor's state follows the step's loss scale,
+so that the update after unscaling is bit-identical to training without one.
 """
 import threading
 import time
@@ -110,85 +68,20 @@ from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_l
                                          weight_decay_momentum)
 from dgc_horovod.core.checkpoint import STATE_DICT_VERSION, FitCheck
 from dgc_horovod.core.config import DGCConfig
+from dgc_horovod.core.driver import BucketDriver
 from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
+from dgc_horovod.core.state import SparseContext, TensorState
 from dgc_horovod.core.stats import PLACEHOLDER_BYTES, StatsRecorder
 from dgc_horovod.core.warmup import density_at, density_at_step
-from dgc_horovod.core import bucket_ops, checkpoint, kernels, regions, wire
+from dgc_horovod.core import checkpoint, kernels, precision, regions, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
 _INF = float("inf")
 
-#: The smallest magnitude a float16 cast rounds to ±inf (float16's largest value is 65504).
-FP16_OVERFLOW = 65520.0
 #: In epoch-driven warm-up (warmup_epochs set), DGC warns once when this many steps ran and
 #: set_epoch / set_step was never called: the warm-up would then never advance.
 EPOCH_CALL_CHECK_STEPS = 1000
-
-
-class TensorState:
-    """DGC state of one gradient tensor on one worker.
-
-    Attributes: name (str), numel (int), ndim (int: the gradient's dimensions), sparse (bool:
-    selected by top-k, else dense allreduce; :func:`~dgc_horovod.core.sparsify.is_sparse`),
-    u (flat float32 velocity, or None when momentum is 0), v (flat float32 accumulated velocity,
-    the residual; None for dense tensors), wd (flat float32 momentum buffer of the weight decay
-    term with ``weight_decay_mode="separate"``, else None).
-    """
-
-    __slots__ = ("name", "numel", "ndim", "sparse", "u", "v", "wd", "plan")
-
-    def __init__(self, name, numel, sparse, u, v, ndim=1, wd=None):
-        self.name, self.numel, self.sparse, self.u, self.v = name, numel, sparse, u, v
-        self.ndim, self.wd = ndim, wd
-        self.plan = None        # kernels.Plan of the fused path; False: tensor ops only
-
-
-class SparseContext:
-    """What decompress needs of a compress call: the tensor, and what to restore on a discard."""
-
-    __slots__ = ("name", "numel", "indices", "values", "u_sent")
-
-    def __init__(self, name, numel, indices, values, u_sent):
-        self.name, self.numel = name, numel
-        self.indices, self.values, self.u_sent = indices, values, u_sent
-
-
-class _BatchContext(SparseContext):
-    """A SparseContext of :meth:`DGCCore.compress_many` whose indices, values and u_sent are
-    views of the batch's buffers, made when first read (decompress reads them only to restore
-    the residual after a non-finite step)."""
-
-    __slots__ = ("_batch", "_start", "_count", "_masked", "_views")
-
-    def __init__(self, name, numel, batch, start, count, masked):
-        self.name, self.numel = name, numel
-        self._batch, self._start, self._count, self._masked = batch, start, count, masked
-        self._views = None
-
-    def _get(self, i):
-        if self._views is None:
-            self._views = self._batch.views(self._start, self._count, self._masked)
-        return self._views[i]
-
-    indices = property(lambda self: self._get(0))
-    values = property(lambda self: self._get(1))
-    u_sent = property(lambda self: self._get(2))
-
-
-class _Selected:
-    """What the contexts of one bucket_ops call view (see _BatchContext): the positions sent
-    (local to each tensor), their values and velocities, segment after segment."""
-
-    __slots__ = ("B", "local", "vals", "usent")
-
-    def __init__(self, B, local, vals, usent):
-        self.B, self.local, self.vals, self.usent = B, local, vals, usent
-
-    def views(self, start, count, masked):
-        B, end = self.B, start + count
-        return (B.slice(self.local, start, end), B.slice(self.vals, start, end),
-                B.slice(self.usent, start, end) if masked else None)
 
 
 class DGCCore:
@@ -224,7 +117,7 @@ class DGCCore:
         # the loss scale the state is in (set_loss_scale); None: unknown (a version-2
         # checkpoint), the next set_loss_scale adopts its scale without rescaling
         self._loss_scale = 1.0
-        self._flats = {}        # names of a bucket's sparsified tensors -> bucket_ops.FlatState
+        self._driver = BucketDriver(self)   # compress_many
 
     # the statistics, counted by the core's StatsRecorder
     step_stats = property(lambda self: self._stats.step, doc=(
@@ -306,6 +199,47 @@ class DGCCore:
                              "(needed with warmup_epochs)")
         self.set_epoch(step / steps_per_epoch)
 
+    # ----------------------------------------------------------------- loss scale
+    @property
+    def loss_scale(self):
+        """The loss scale S the state (u, v, wd) is in and the gradients of the current step
+        carry: 1.0 unless :meth:`set_loss_scale` set another (see :mod:`precision`)."""
+        s = self._loss_scale
+        return 1.0 if s is None else s
+
+    def set_loss_scale(self, scale):
+        """Tell DGC the loss scale S_t of the step about to begin (a loss scaler's current
+        scale); call it between steps, before the step's first compress, on every rank alike.
+
+        When S_t differs from :attr:`loss_scale` S, every tensor's u, v and wd are multiplied by
+        S_t/S (exact when both are powers of two), so the state is in the units of the step's
+        gradients; clipping compares the unscaled norm (threshold T·S_t) and weight decay adds
+        λ·S_t·w. After a division by S_t (GradScaler.unscale_) the update is then the one DGC
+        gives without loss scaling (the equations: :mod:`precision`). A tensor whose state
+        becomes non-finite is dropped (zeroed, one warning). After loading a version-2
+        checkpoint (no recorded scale) the first call adopts S_t without rescaling.
+
+        Args: scale (float): S_t, a finite number > 0.
+        Raises: ValueError: scale is not a finite number > 0 (nothing changes).
+        """
+        try:
+            value = float(scale) if not isinstance(scale, (bool, str)) else None
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not 0.0 < value < _INF:
+            raise ValueError(f"DGC: the loss scale must be a finite number > 0, got "
+                             f"{type(scale).__name__} {scale!r}")
+        scale = value
+        with self._lock:
+            previous, self._loss_scale = self._loss_scale, scale
+            if previous is None or previous == scale:
+                return
+            for st in precision.rescale(self.B, self.states.values(), scale / previous):
+                self._warn_once("rescale_overflow", (
+                    f"DGC: rescaling the state of {st.name!r} from loss scale {previous:g} "
+                    f"to {scale:g} overflowed float32: its u and v restart at zero (a "
+                    "one-off loss of its unsent gradient on this rank)"))
+
     # ----------------------------------------------------------------- checkpoint / resume
     def state_dict(self, world_size=None, rank=None):
         """Everything needed to resume this worker bit-identically, as a plain dict.
@@ -360,7 +294,7 @@ class DGCCore:
         with self._lock:
             checkpoint.restore_generator(self.B, self._generator, state_dict["generator"])
             self.states = {name: TensorState(name, *t) for name, t in tensors.items()}
-            self._flats = {}
+            self._driver = BucketDriver(self)
             self.epoch = epoch
             self._steps = steps
             self._stats = stats
@@ -381,23 +315,65 @@ class DGCCore:
         itself. No-op otherwise. Changes nothing."""
         self._fit.check(names)
 
-    # ----------------------------------------------------------------- state
+    # ----------------------------------------------------------------- state and checks
     def _state(self, name, grad):
+        """The tensor's state, made at its first compress (after the size checks)."""
         numel = self.B.numel(grad)
-        st = self.states.get(name)
+        st = self._sized(name, numel)
         if st is None:
-            wire.check_numel(numel, name)
             ndim = self.B.ndim(grad)
             sparse = is_sparse(numel, ndim, self.config)
             u = self.B.zeros(numel, like=grad) if self.config.momentum > 0 else None
             v = self.B.zeros(numel, like=grad) if sparse else None
             st = self.states[name] = TensorState(name, numel, sparse, u, v, ndim)
+        return st
+
+    def _sized(self, name, numel):
+        """The tensor's state, or None for a new one, once its gradient's size (numel) is
+        checked: against the state's, or (new) against what the wire format can carry."""
+        st = self.states.get(name)
+        if st is None:
+            wire.check_numel(numel, name)
         elif st.numel != numel:
             raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
                              f"created for {st.numel}")
         return st
 
-    # ----------------------------------------------------------------- compress / decompress
+    def _check_args(self, name, grad, param):
+        """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
+        weight decay needs it, and after a load, a loaded state (:meth:`check_fit`)."""
+        self._fit.check_name(name)
+        if not self.B.is_floating(grad):
+            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
+                            f"got dtype {getattr(grad, 'dtype', type(grad))}")
+        if self.needs_param:
+            if param is None:
+                raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the "
+                                 f"parameter of {name!r} (param=...), got None")
+            if self.B.numel(param) != self.B.numel(grad):
+                raise ValueError(f"DGC: the parameter of {name!r} has {self.B.numel(param)} "
+                                 f"elements, its gradient {self.B.numel(grad)}: they must match "
+                                 "(weight_decay adds λ·param to the gradient)")
+
+    def check_entry(self, name, grad, param=None):
+        """Raise what :meth:`compress` would raise for this entry (the size against the tensor's
+        state included) without touching any state: compress_many runs them all before it
+        changes anything, and an adapter that defers a tensor to a bucket runs them at once."""
+        self._check_args(name, grad, param)
+        self._sized(name, self.B.numel(grad))
+
+    def _check_scale(self, clip_scale):
+        if not self.needs_clip_scale:
+            return
+        if clip_scale is None:
+            raise ValueError("DGC: clip_scope='global' needs the step's clipping factor: pass "
+                             "clip_scale=core.clip_scale(<all of this rank's gradients of the "
+                             "step>, world_size, average)")
+        if isinstance(clip_scale, bool) or not 0.0 <= float(clip_scale) <= 1.0:
+            raise ValueError(f"DGC: clip_scale must be a float in [0, 1], got {clip_scale!r}")
+
+    # ----------------------------------------------------------------- compress
+    # the steps in order: check, clip, accumulate, select, mask, encode (then decompress)
     def compress(self, name, grad, world_size, param=None, average=True, clip_scale=None):
         """Accumulate a local gradient and produce what goes on the wire.
 
@@ -427,14 +403,31 @@ class DGCCore:
             self._begin(name)
             return self._compress_locked(name, grad, world_size, param, t0, average, clip_scale)
 
-    def _usable_plan(self, st, g):
-        """st's kernels.Plan when the fused path applies to it now, else False/None."""
-        plan = st.plan if self.use_kernels else False
-        if plan and (plan.u is not st.u or plan.v is not st.v):
-            plan = None                           # the state tensors were replaced
-        if plan is None and st.sparse:
-            plan = self._plan(st, g)
-        return plan
+    def compress_many(self, entries, world_size, average=True, clip_scale=None):
+        """Compress several gradients at once (a bucket): the same results, state and random
+        draws as ``[self.compress(name, grad, world_size, param) for name, grad, param in
+        entries]``, but on the fused path one kernel call does every sparsified tensor's
+        finiteness check and one more does the accumulation, selection and encoding, spread over
+        the backend's threads (:class:`kernels.Batch`). Tensors the fused path does not cover
+        (dense, CUDA, float16 wire values, non-finite, ...) run as in :meth:`compress`. On
+        tensor ops (``use_kernels = False``, CUDA tensors, TensorFlow) the sparsified tensors of
+        a bucket with the default wire format (delta16 indices, float32 values) run as one
+        bucket (:mod:`~dgc_horovod.core.bucket_ops`: O(1) backend calls whatever the number of
+        tensors); other wire formats run one :meth:`compress` per tensor.
+
+        Args:
+            entries: sequence of (name, grad, param) tuples (param None unless weight_decay > 0);
+                names must be distinct.
+            world_size (int): N, ranks taking part. average, clip_scale: as :meth:`compress`
+                (one clip_scale for the whole step).
+        Returns:
+            list of the :meth:`compress` results, in the order of ``entries``. The statistics'
+            compress_seconds of the batched tensors is the batch's time shared by element count.
+        Raises:
+            TypeError / ValueError: as :meth:`compress` (a non-floating gradient, a changed size,
+            a repeated name); every entry is checked before any state changes.
+        """
+        return self._driver.compress_many(entries, world_size, average, clip_scale)
 
     def _compress_locked(self, name, grad, world_size, param, t0, average=True,
                          clip_scale=None):
@@ -442,7 +435,8 @@ class DGCCore:
         B, c = self.B, self.config
         st = self._state(name, grad)
         g = B.float32_view(grad)                  # read only from here on
-        plan = self._usable_plan(st, g)
+        density = self.density
+        plan = kernels.usable_plan(B, st, g, c, density, self.use_kernels)
         # the gradient that is accumulated is the one checked for NaN/Inf (with weight decay a
         # NaN parameter must not reach the residual either)
         g, scale = self._accumulated(g, param, world_size, average, clip_scale)
@@ -451,18 +445,41 @@ class DGCCore:
         if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
                 else B.all_finite(g)):
             return self._nonfinite(st, g, t0, drawn=False)
-        if gp is not None:
-            return self._compress_fused(st, plan, g, gp, scale, t0, threads)
+        if gp is not None:                        # the fused kernels
+            idx = kernels.accumulate_select(B, c, self._generator, st, plan, density, g, gp,
+                                            scale, threads)
+            return self._fused_finish(st, plan, idx, t0, density)
         if not st.sparse:
             v = B.zeros(st.numel, like=g)
             momentum_correction(B, st.u, v, g, c.momentum, c.nesterov, scale)
-            self._stats.count(st, 0, 4 * st.numel, False, time.perf_counter() - t0,
-                              self.density)
+            self._stats.count(st, 0, 4 * st.numel, False, time.perf_counter() - t0, density)
             return "dense", v, None
         momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov, scale)
-        k = k_for(st.numel, self.density)
+        k = k_for(st.numel, density)
         idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
         return self._finish_ops(st, idx, t0)
+
+    @property
+    def needs_clip_scale(self):
+        """True when compress needs the step's ``clip_scale`` (clip_norm with global scope)."""
+        return self.config.clip_norm is not None and self.config.clip_scope == "global"
+
+    def clip_scale(self, grads, world_size, average=True):
+        """This rank's local clipping factor of the step (§3.2, ``clip_scope="global"``).
+
+        s = min(1, T / (‖G_k‖ + 1e-6)) with ‖G_k‖ the global L2 norm over ``grads`` (all of this
+        rank's gradients of the step, dense and sparsified, in a fixed order; tensors with
+        NaN/Inf left out, see :func:`~dgc_horovod.core.accumulate.global_norm`) and T the
+        threshold of :func:`~dgc_horovod.core.accumulate.clip_threshold` (C·√N under Average,
+        C/√N under Sum). On iid gradients this clips as often and as much as a dense
+        ``clip_grad_norm_(C)`` of the averaged gradient. 1.0 when clip_norm is None. Under a
+        loss scale S (:meth:`set_loss_scale`) the unscaled norm ‖G_k‖/S is compared with T.
+        """
+        c = self.config
+        if c.clip_norm is None:
+            return 1.0
+        return clip_factor(global_norm(self.B, grads) / self.loss_scale,
+                           clip_threshold(c.clip_norm, world_size, average))
 
     def _accumulated(self, g, param, world_size, average=True, clip_scale=None):
         """(gradient, clipping scale still to apply) that momentum correction accumulates, from
@@ -494,86 +511,6 @@ class DGCCore:
         (weight_decay > 0 with ``weight_decay_mode="separate"``)."""
         c = self.config
         return bool(c.weight_decay) and c.weight_decay_mode == "separate"
-
-    @property
-    def needs_clip_scale(self):
-        """True when compress needs the step's ``clip_scale`` (clip_norm with global scope)."""
-        return self.config.clip_norm is not None and self.config.clip_scope == "global"
-
-    def _check_scale(self, clip_scale):
-        if not self.needs_clip_scale:
-            return
-        if clip_scale is None:
-            raise ValueError("DGC: clip_scope='global' needs the step's clipping factor: pass "
-                             "clip_scale=core.clip_scale(<all of this rank's gradients of the "
-                             "step>, world_size, average)")
-        if isinstance(clip_scale, bool) or not 0.0 <= float(clip_scale) <= 1.0:
-            raise ValueError(f"DGC: clip_scale must be a float in [0, 1], got {clip_scale!r}")
-
-    def clip_scale(self, grads, world_size, average=True):
-        """This rank's local clipping factor of the step (§3.2, ``clip_scope="global"``).
-
-        s = min(1, T / (‖G_k‖ + 1e-6)) with ‖G_k‖ the global L2 norm over ``grads`` (all of this
-        rank's gradients of the step, dense and sparsified, in a fixed order; tensors with
-        NaN/Inf left out, see :func:`~dgc_horovod.core.accumulate.global_norm`) and T the
-        threshold of :func:`~dgc_horovod.core.accumulate.clip_threshold` (C·√N under Average,
-        C/√N under Sum). On iid gradients this clips as often and as much as a dense
-        ``clip_grad_norm_(C)`` of the averaged gradient. 1.0 when clip_norm is None. Under a
-        loss scale S (:meth:`set_loss_scale`) the unscaled norm ‖G_k‖/S is compared with T.
-        """
-        c = self.config
-        if c.clip_norm is None:
-            return 1.0
-        return clip_factor(global_norm(self.B, grads) / self.loss_scale,
-                           clip_threshold(c.clip_norm, world_size, average))
-
-    @property
-    def loss_scale(self):
-        """The loss scale S the state (u, v, wd) is in and the gradients of the current step
-        carry: 1.0 unless :meth:`set_loss_scale` set another (see the module docstring)."""
-        s = self._loss_scale
-        return 1.0 if s is None else s
-
-    def set_loss_scale(self, scale):
-        """Tell DGC the loss scale S_t of the step about to begin (a loss scaler's current
-        scale); call it between steps, before the step's first compress, on every rank alike.
-
-        When S_t differs from :attr:`loss_scale` S, every tensor's u, v and wd are multiplied by
-        S_t/S (exact when both are powers of two), so the state is in the units of the step's
-        gradients; clipping compares the unscaled norm (threshold T·S_t) and weight decay adds
-        λ·S_t·w. After a division by S_t (GradScaler.unscale_) the update is then the one DGC
-        gives without loss scaling (the equations: the module docstring). A tensor whose state
-        becomes non-finite is dropped (zeroed, one warning). After loading a version-2
-        checkpoint (no recorded scale) the first call adopts S_t without rescaling.
-
-        Args: scale (float): S_t, a finite number > 0.
-        Raises: ValueError: scale is not a finite number > 0 (nothing changes).
-        """
-        try:
-            value = float(scale) if not isinstance(scale, (bool, str)) else None
-        except (TypeError, ValueError):
-            value = None
-        if value is None or not 0.0 < value < _INF:
-            raise ValueError(f"DGC: the loss scale must be a finite number > 0, got "
-                             f"{type(scale).__name__} {scale!r}")
-        scale = value
-        B = self.B
-        with self._lock:
-            previous, self._loss_scale = self._loss_scale, scale
-            if previous is None or previous == scale:
-                return
-            ratio = scale / previous
-            for st in self.states.values():
-                kept = [t for t in (st.u, st.v, st.wd) if t is not None]
-                for t in kept:
-                    B.mul_(t, ratio)
-                if not all(B.all_finite(t) for t in kept):
-                    for t in kept:
-                        B.zero_(t)
-                    self._warn_once("rescale_overflow", (
-                        f"DGC: rescaling the state of {st.name!r} from loss scale {previous:g} "
-                        f"to {scale:g} overflowed float32: its u and v restart at zero (a "
-                        "one-off loss of its unsent gradient on this rank)"))
 
     def apply_weight_decay(self, name, update, param):
         """``weight_decay_mode="separate"``: add the weight decay term to the exchanged update of
@@ -620,319 +557,6 @@ class DGCCore:
         self._stats.count(st, 0, nbytes, True, time.perf_counter() - t0, self.density)
         return result
 
-    def compress_many(self, entries, world_size, average=True, clip_scale=None):
-        """Compress several gradients at once (a bucket): the same results, state and random
-        draws as ``[self.compress(name, grad, world_size, param) for name, grad, param in
-        entries]``, but on the fused path one kernel call does every sparsified tensor's
-        finiteness check and one more does the accumulation, selection and encoding, spread over
-        the backend's threads (:class:`kernels.Batch`). Tensors the fused path does not cover
-        (dense, CUDA, float16 wire values, non-finite, ...) run as in :meth:`compress`. On
-        tensor ops (``use_kernels = False``, CUDA tensors, TensorFlow) the sparsified tensors of
-        a bucket with the default wire format (delta16 indices, float32 values) run as one
-        bucket (:mod:`~dgc_horovod.core.bucket_ops`: O(1) backend calls whatever the number of
-        tensors); other wire formats run one :meth:`compress` per tensor.
-
-        Args:
-            entries: sequence of (name, grad, param) tuples (param None unless weight_decay > 0);
-                names must be distinct.
-            world_size (int): N, ranks taking part. average, clip_scale: as :meth:`compress`
-                (one clip_scale for the whole step).
-        Returns:
-            list of the :meth:`compress` results, in the order of ``entries``. The statistics'
-            compress_seconds of the batched tensors is the batch's time shared by element count.
-        Raises:
-            TypeError / ValueError: as :meth:`compress` (a non-floating gradient, a changed size,
-            a repeated name); every entry is checked before any state changes.
-        """
-        entries = list(entries)
-        if len({e[0] for e in entries}) != len(entries):
-            seen = set()
-            for name, _, _ in entries:
-                if name in seen:
-                    raise ValueError(f"compress_many: the tensor {name!r} appears twice")
-                seen.add(name)
-        self._check_scale(clip_scale)
-        for name, _, _ in entries:
-            self._fit.check_name(name)
-        bucket = (len(entries) > 1 and self.config.wire_index == "delta16"
-                  and self.config.wire_values == "float32")
-        if not self.use_kernels or len(entries) < 2:
-            for name, grad, param in entries:
-                self.check_entry(name, grad, param)
-            if not bucket:
-                return [self.compress(name, grad, world_size, param, average, clip_scale)
-                        for name, grad, param in entries]
-            t0 = time.perf_counter()
-            with self._lock:
-                self._begin(entries[0][0])
-                return self._compress_ops(entries, world_size, average, clip_scale, t0)
-        B, c = self.B, self.config
-        t0 = time.perf_counter()
-        clip = (average, clip_scale)
-        with self._lock:
-            self._begin(entries[0][0])
-            states = self.states
-            numel, grad_ptr = B.numel, B.kernel_grad_ptr
-            needs_param = self.needs_param
-            # the usual entry: a sparsified tensor with its fused plan and a float32 gradient in
-            # host memory (kernel_grad_ptr: contiguous float32) of its size. Anything else is
-            # checked in full below, before any state changes, and classified then.
-            fused, others = {}, []          # entry index -> (st, plan, g, gp); the other entries
-            for i, (name, grad, param) in enumerate(entries):
-                st = states.get(name)
-                plan = st.plan if st is not None else None
-                gp = grad_ptr(grad) if plan and st.sparse else None
-                if (gp is not None and plan.u is st.u and plan.v is st.v
-                        and st.numel == numel(grad)
-                        and not (needs_param and (param is None or numel(param) != st.numel))):
-                    fused[i] = (st, plan, grad, gp)
-                else:
-                    others.append(i)
-            check = self.check_entry
-            for i in others:
-                check(*entries[i])
-            for i in others:
-                name, grad, _ = entries[i]
-                st = states.get(name)
-                if st is None:
-                    st = self._state(name, grad)
-                if not st.sparse:
-                    continue
-                g = B.float32_view(grad)                 # e.g. float16: a float32 copy
-                if not self._usable_plan(st, g):
-                    continue
-                plan, gp = st.plan, B.kernel_ptr(g)
-                if gp is not None:
-                    fused[i] = (st, plan, g, gp)
-            if others:
-                fused = dict(sorted(fused.items()))      # in entry order
-            if not fused and bucket:                     # e.g. CUDA tensors: tensor ops
-                return self._compress_ops(entries, world_size, average, clip_scale, t0)
-            threads = B.kernel_threads()
-            # (the batch kernel checks each gradient for NaN/Inf before it changes its state)
-            if len(fused) == len(entries):
-                return self._compress_batch(entries, fused, world_size, clip, threads, t0)
-            return self._compress_mixed(entries, fused, world_size, clip, threads, t0)
-
-    def _compress_ops(self, entries, world_size, average, clip_scale, t0):
-        """compress_many on tensor ops, a bucket at a time (:mod:`bucket_ops`: O(1) backend
-        calls for the bucket's sparsified tensors); the dense entries run as in compress. The
-        entries are checked and the lock is held."""
-        n = len(entries)
-        results, rows = [None] * n, [()] * n    # rows: statistics rows per entry
-        sparse = []
-        self._stats.hold()
-        try:
-            for i, (name, grad, param) in enumerate(entries):
-                if self._state(name, grad).sparse:
-                    sparse.append(i)
-                    continue
-                results[i] = self._compress_locked(name, grad, world_size, param,
-                                                   time.perf_counter(), average, clip_scale)
-                rows[i] = self._stats.take()
-            if sparse:
-                self._bucket_ops(entries, sparse, results, rows, world_size, average,
-                                 clip_scale, t0)
-        finally:
-            self._stats.release()
-        self._stats.count_rows([row for entry in rows for row in entry])
-        return results
-
-    def _bucket_ops(self, entries, sparse, results, rows, world_size, average, clip_scale, t0):
-        """The sparsified entries (indices ``sparse``) of _compress_ops: one bucket_ops.compress
-        over their flat state; fills results[i] and rows[i]."""
-        B, c = self.B, self.config
-        sts = [self.states[entries[i][0]] for i in sparse]
-        fs = self._flat_state(sts)
-        fs.load(B, sts)
-        grads, block = [entries[i][1] for i in sparse], bucket_ops.BLOCK
-        if c.clip_norm is not None and c.clip_scope == "tensor":   # a scale per tensor
-            acc = [self._accumulated(B.float32_view(g), entries[i][2], world_size, average)
-                   for g, i in zip(grads, sparse)]
-            g, scales = B.flat_cat([a for a, _ in acc], block), [s for _, s in acc]
-        else:
-            params = (B.flat_cat([entries[i][2] for i in sparse], block) if self.needs_param
-                      else None)
-            g, scale = self._accumulated(B.flat_cat(grads, block, reuse=True), params,
-                                         world_size, average, clip_scale)
-            scales = [scale]
-        segments = [(a, a + n) for a, n in zip(fs.offsets, fs.sizes)]
-        finite = ([True] * len(sts) if B.all_finite(g)
-                  else [B.all_finite(B.slice(g, a, b)) for a, b in segments])
-        if not (all(finite) and len(set(scales)) == 1):   # accumulate segment by segment
-            for st, (a, b), ok, s in zip(sts, segments, finite, scales * len(sts)
-                                         if len(scales) == 1 else scales):
-                if ok:
-                    momentum_correction(B, st.u, st.v, B.slice(g, a, b), c.momentum,
-                                        c.nesterov, s)
-            fs.load(B, sts)
-            g = None
-        density = self.density
-        payloads, words, counts, local, vals, u_sent = bucket_ops.compress(
-            B, c, self._generator, density, fs, g, scales[0], finite)
-        fs.store(B, sts)
-        share = (time.perf_counter() - t0) / sum(fs.sizes)
-        selected = _Selected(B, local, vals, u_sent)
-        masked = u_sent is not None
-        start = 0
-        for i, st, payload, w, cnt in zip(sparse, sts, payloads, words, counts):
-            if payload is None:                             # NaN/Inf: state untouched
-                results[i] = self._nonfinite(st, None, time.perf_counter(), drawn=True)
-                rows[i] = self._stats.take()
-                continue
-            results[i] = ("sparse", payload, _BatchContext(st.name, st.numel, selected, start,
-                                                           cnt, masked))
-            rows[i] = ((st, cnt, 4 * w + PLACEHOLDER_BYTES, False, share * st.numel, density,
-                        (0, 0)),)
-            start += cnt
-
-    def _flat_state(self, sts):
-        """The bucket_ops.FlatState of these tensors (made, and the tensors' state moved into
-        it, when they are new or their state was replaced)."""
-        key = tuple(st.name for st in sts)
-        fs = self._flats.get(key)
-        if fs is None or not fs.holds(sts):
-            fs = bucket_ops.FlatState(self.B, sts)
-            self._flats = {k: f for k, f in self._flats.items() if set(key).isdisjoint(k)}
-            self._flats[key] = fs
-        return fs
-
-    def _add_rows(self, batch, rows, world_size, clip):
-        """Add the fused entries rows = [(entry, (st, plan, g, gp))] to batch (which refreshes
-        their plans for its density), clipping (clip = (average, clip_scale)) and weight decay
-        applied."""
-        B, c = self.B, self.config
-        simple = c.clip_norm is None and not self.needs_param
-        add = batch.add
-        for (_, _, param), (st, plan, g, gp) in rows:
-            scale = 1.0
-            if not simple:
-                g, scale = self._accumulated(B.float32_view(g), param, world_size, *clip)
-                gp = B.kernel_ptr(g)
-            add(st, plan, g, gp, scale)
-
-    def _compress_batch(self, entries, fused, world_size, clip, threads, t0):
-        """compress_many when every entry is in the batch (the usual bucket)."""
-        batch = kernels.Batch(self.B, self.config, self._generator, self.density, threads)
-        self._add_rows(batch, zip(entries, fused.values()), world_size, clip)
-        batch.run(like=batch.rows[0][0].v)
-        seconds = time.perf_counter() - t0
-        if batch.all_finished:
-            masked, ctx = batch.masking, _BatchContext
-            sts = [row[0] for row in batch.rows]
-            results = [("sparse", pay, ctx(st.name, st.numel, batch, start, cnt, masked))
-                       for st, pay, start, cnt in zip(sts, batch.payloads, batch.starts,
-                                                      batch.counts)]
-            batch.release()
-            self._stats.count_batch(sts, batch.counts, batch.words, seconds, self.density)
-            return results
-        n = len(entries)
-        results, counts = [None] * n, [()] * n
-        self._stats.hold()
-        try:
-            self._batch_results(batch, list(range(n)), counts, results, seconds)
-        finally:
-            self._stats.release()
-        self._stats.count_rows([row for entry in counts for row in entry])
-        return results
-
-    def _compress_mixed(self, entries, fused, world_size, clip, threads, t0):
-        """compress_many when some entries run as in compress (dense, non-finite large, ...)."""
-        results = [None] * len(entries)
-        batch = kernels.Batch(self.B, self.config, self._generator, self.density, threads)
-        rows = []
-        counts = [()] * len(entries)    # statistics rows per entry, added in entry order
-        t_other = 0.0                   # time spent on the entries outside the batch
-        self._stats.hold()
-        try:
-            # in entry order, so the random draws come in the order compress() makes them
-            for i, (name, grad, param) in enumerate(entries):
-                f = fused.get(i)
-                if f is None:
-                    batch.draw()                 # the batch rows' draws come first
-                    t1 = time.perf_counter()
-                    results[i] = self._compress_locked(name, grad, world_size, param, t1, *clip)
-                    counts[i] = self._stats.take()
-                    t_other += time.perf_counter() - t1
-                    continue
-                rows.append(i)
-                self._add_rows(batch, (((name, grad, param), f),), world_size, clip)
-            if rows:
-                batch.run(like=batch.rows[0][0].v)
-                self._batch_results(batch, rows, counts, results,
-                                    time.perf_counter() - t0 - t_other)
-        finally:
-            self._stats.release()
-        self._stats.count_rows([row for entry in counts for row in entry])
-        return results
-
-    def _batch_results(self, batch, rows, counts, results, seconds):
-        """Fill results[i] and counts[i] (statistics rows) for the batch rows (entry indices
-        rows, in batch order) after batch.run(); the rows the kernel left finish here. The
-        caller holds the statistics rows (StatsRecorder.hold) and counts them afterwards."""
-        density, masked = self.density, batch.masking
-        share = seconds / sum(row[0].numel for row in batch.rows)
-        finished = batch.finished()
-        for r, i in enumerate(rows):
-            done = finished.get(r)
-            if done is None:
-                st, plan, thr, cnt = batch.result(r)
-                if cnt is None:                              # NaN/Inf: state untouched
-                    results[i] = self._nonfinite(st, batch.rows[r][2], time.perf_counter(),
-                                                 drawn=True)
-                else:
-                    idx = kernels.select_rest(self.B, self.config, self._generator, st, plan,
-                                              thr, cnt, -1, None)
-                    results[i] = self._fused_finish(st, plan, idx, time.perf_counter(),
-                                                    density)
-                counts[i] = self._stats.take()
-                continue
-            st = batch.rows[r][0]
-            payload, start, count, words = done
-            counts[i] = ((st, count, 4 * words + PLACEHOLDER_BYTES, False, share * st.numel,
-                          density, (0, 0)),)
-            results[i] = ("sparse", payload, _BatchContext(
-                st.name, st.numel, batch, start, count, masked))
-        batch.release()                  # the contexts keep only the output buffers
-
-    def _check_args(self, name, grad, param):
-        """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
-        weight decay needs it, and after a load, a loaded state (:meth:`check_fit`)."""
-        self._fit.check_name(name)
-        if not self.B.is_floating(grad):
-            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
-                            f"got dtype {getattr(grad, 'dtype', type(grad))}")
-        if self.needs_param:
-            if param is None:
-                raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the "
-                                 f"parameter of {name!r} (param=...), got None")
-            if self.B.numel(param) != self.B.numel(grad):
-                raise ValueError(f"DGC: the parameter of {name!r} has {self.B.numel(param)} "
-                                 f"elements, its gradient {self.B.numel(grad)}: they must match "
-                                 "(weight_decay adds λ·param to the gradient)")
-
-    def check_entry(self, name, grad, param=None):
-        """Raise what :meth:`compress` would raise for this entry (the size against the tensor's
-        state included) without touching any state: compress_many runs them all before it
-        changes anything, and an adapter that defers a tensor to a bucket runs them at once."""
-        B = self.B
-        self._check_args(name, grad, param)
-        st = self.states.get(name)
-        numel = B.numel(grad)
-        if st is None:
-            wire.check_numel(numel, name)
-        elif st.numel != numel:
-            raise ValueError(f"gradient of {name!r} has {numel} elements, but its DGC state was "
-                             f"created for {st.numel}")
-
-    def _compress_fused(self, st, plan, g, gp, scale, t0, threads):
-        """The sparse branch of compress on the fused kernels (st.plan applies, g is the finite
-        gradient to accumulate, with its clipping scale)."""
-        density = self.density
-        idx = kernels.accumulate_select(self.B, self.config, self._generator, st, plan, density,
-                                        g, gp, scale, threads)
-        return self._fused_finish(st, plan, idx, t0, density)
-
     def _fused_finish(self, st, plan, idx, t0, density):
         """Gather, clear and encode idx after the fused accumulation and selection."""
         B, c = self.B, self.config
@@ -946,17 +570,6 @@ class DGCCore:
                           time.perf_counter() - t0, density)
         return "sparse", payload, SparseContext(st.name, st.numel, idx, vals, u_sent)
 
-    def _plan(self, st, g):
-        """The tensor's kernels.Plan, or False when the fused path does not apply to it."""
-        B = self.B
-        plan = False
-        if (self.use_kernels and kernels.available() and B.kernel_fma() is not None
-                and B.kernel_ptr(st.v) is not None and B.kernel_ptr(g) is not None
-                and (st.u is None or B.kernel_ptr(st.u) is not None)):
-            plan = kernels.Plan(B, st, self.config, B.kernel_fma(), self.density)
-        st.plan = plan
-        return plan
-
     def _finish_ops(self, st, idx, t0, sorted_=False):
         """Gather, clear and encode the selected positions idx with tensor ops."""
         B, c = self.B, self.config
@@ -967,45 +580,14 @@ class DGCCore:
         clear_sent(B, st.u, st.v, idx, c.momentum_masking)
         sent, fp16 = vals, (0, 0)
         if c.wire_values == "float16":
-            sent, vals, u_sent, fp16 = self._to_fp16(st, idx, vals, u_sent)
+            sent, vals, u_sent, fp16 = precision.round_to_fp16(B, st, idx, vals, u_sent,
+                                                               self._warn_once)
         payload = self._encode(st.numel, idx, sent)
         count = B.numel(idx)
         self._stats.count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
                           time.perf_counter() - t0, self.density, fp16)
         return "sparse", payload, SparseContext(st.name, st.numel, None if vals is None else idx,
                                                 vals, u_sent)
-
-    def _to_fp16(self, st, idx, vals, u_sent):
-        """``wire_values="float16"``, after clear_sent: (the values to send, rounded through
-        float16 as a plain cast rounds them; the values and u_sent decompress puts back after a
-        non-finite step, or None, None: nothing to put back; (overflowed, flushed) counts). The
-        rounding error stays in the residual (error feedback for the quantization too). On an
-        overflow the tensor's u and v are dropped (see the module docstring)."""
-        B = self.B
-        sent = B.to_fp16_and_back(vals)
-        overflowed = B.numel(vals) - B.count_true(B.abs(sent) != float("inf"))
-        flushed = B.count_true((sent == 0.0) & (vals != 0.0))
-        if flushed:
-            self._warn_once("fp16_flush", (
-                f"DGC: wire_values='float16': {flushed} selected non-zero value(s) of "
-                f"{st.name!r} are below float16's range (|v| <= 2**-25) and are sent as 0 (they "
-                "stay in the residual). Further ones are counted in stats.flushed_entries. A "
-                "larger loss scale, or wire_values='float32', sends them"))
-        if overflowed:
-            self._warn_once("fp16_overflow", (
-                f"DGC: wire_values='float16': {overflowed} selected value(s) of {st.name!r} "
-                f"exceed float16's range (|v| >= {FP16_OVERFLOW:g}; its largest value is 65504) "
-                "and are sent as ±inf, as a float16 cast does: every rank gets a non-finite "
-                "update for this step, which a loss scaler skips (then backing off its scale), "
-                "and this rank drops the tensor's DGC state (u and v restart at zero). Further "
-                "overflows are counted in stats.overflowed_entries. Use a smaller loss scale, "
-                "or wire_values='float32'"))
-            for t in (st.u, st.v):
-                if t is not None:
-                    B.mul_(t, 0.0)
-            return sent, None, None, (overflowed, flushed)
-        B.scatter_(st.v, idx, vals - sent)
-        return sent, vals, u_sent, (overflowed, flushed)
 
     def _encode(self, numel, idx, vals, flags=0):
         return wire.encode(self.B, numel, idx, vals, flags, self.config.wire_index,

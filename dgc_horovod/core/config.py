@@ -225,7 +225,7 @@ class DGCConfig:
             rank that overflowed drops that tensor's u and v; values below float16's range are
             sent as 0 and stay in the residual. Both are counted (``stats.overflowed_entries``,
             ``stats.flushed_entries``) and warned about once (see
-            :mod:`dgc_horovod.core.compressor`).
+            :mod:`dgc_horovod.core.precision`).
         exchange (str): how the sparsified payloads travel (PyTorch adapter). "allgather"
             (default, the paper's): every rank receives every other rank's selection, (N−1)·k
             entries per step, and applies all of them. "regions": a sparse reduce-scatter by

@@ -51,9 +51,9 @@ try:
 except ImportError:          # not built (e.g. a source tree without a C compiler)
     _kernels = None
 
-__all__ = ["available", "calibrate", "Plan", "all_finite", "accumulate_select", "select_rest",
-           "finish", "finite_many", "Batch", "decode_sum", "DECODE_ZERO", "DECODE_ADD",
-           "DECODE_SCALE", "split_spans", "split_bucket"]
+__all__ = ["available", "calibrate", "Plan", "usable_plan", "all_finite", "accumulate_select",
+           "select_rest", "finish", "finite_many", "Batch", "decode_sum", "DECODE_ZERO",
+           "DECODE_ADD", "DECODE_SCALE", "split_spans", "split_bucket"]
 
 #: Set ``DGC_KERNELS=0`` to force the tensor-op path everywhere (read at import).
 ENABLED = os.environ.get("DGC_KERNELS", "1").strip() not in ("0", "false", "False", "no")
@@ -167,6 +167,24 @@ class Plan:
         self.row = array("q", (0, self.up, self.vp, n, self.mode, self.fma, 0, s, self.ks,
                                self.cidx_p, self.cmag_p, self.cap, kf, 0, 0, mask_u, mask_u, 0,
                                self.cap_words, 1, 0, 0, 0, 0))
+
+
+def usable_plan(B, st, g, config, density, enabled=True):
+    """st's :class:`Plan` when the fused path applies to it now (made, and kept in ``st.plan``,
+    when it has none yet or its state tensors were replaced), else False (tensor ops: not built,
+    not in host memory, ``enabled`` False: the core's ``use_kernels``) or None (a dense tensor).
+    g: the float32 view of its gradient; density: the density in force."""
+    plan = st.plan if enabled else False
+    if plan and (plan.u is not st.u or plan.v is not st.v):
+        plan = None                           # the state tensors were replaced
+    if plan is None and st.sparse:
+        plan = False
+        if (available() and B.kernel_fma() is not None
+                and B.kernel_ptr(st.v) is not None and B.kernel_ptr(g) is not None
+                and (st.u is None or B.kernel_ptr(st.u) is not None)):
+            plan = Plan(B, st, config, B.kernel_fma(), density)
+        st.plan = plan
+    return plan
 
 
 def all_finite(n, gp, threads=1):

@@ -4,6 +4,8 @@ and :class:`StatsRecorder`, which counts them for :class:`~dgc_horovod.core.comp
 Statistics observe Algorithm 1 and change nothing in it.
 """
 
+import contextlib
+
 __all__ = ["CompressionStats", "ADDED_FIELDS", "StatsRecorder", "PLACEHOLDER_BYTES"]
 
 #: Bytes of the 1-element float32 placeholder a sparsified tensor sends through the stock allreduce.
@@ -33,7 +35,7 @@ class CompressionStats:
         nonfinite_tensors (int): tensors whose local gradient had NaN/Inf (not accumulated).
         overflowed_entries (int): with ``wire_values="float16"``, selected values beyond
             float16's range (|v| >= 65520, which a float16 cast makes ±inf): sent as ±inf, so
-            the step's update is non-finite on every rank (see :mod:`dgc_horovod.core.compressor`).
+            the step's update is non-finite on every rank (see :mod:`dgc_horovod.core.precision`).
         flushed_entries (int): with ``wire_values="float16"``, non-zero selected values that
             float16 rounds to 0 (|v| <= 2**-25): sent as 0, the value stays in the residual.
         compress_seconds (float): wall time spent in compress (accumulate + select + encode), s.
@@ -111,8 +113,8 @@ class StatsRecorder:
     counted again within a step begins a new step; ``names`` holds the tensors counted in the
     current step (the core's warm-up step count follows it too, :meth:`starts_step`).
 
-    Between :meth:`hold` and :meth:`release` (compress_many) the rows passed to :meth:`count` are
-    kept back; :meth:`take` hands them out, so that the caller counts them in entry order.
+    Inside :meth:`entry_order` (compress_many) the rows passed to :meth:`count` are kept back;
+    :meth:`take` hands them out, so that the caller counts them in entry order.
     """
 
     __slots__ = ("step", "total", "names", "_held")
@@ -133,16 +135,29 @@ class StatsRecorder:
         self.names = set()
 
     # ------------------------------------------------------------- rows kept back
-    def hold(self):
+    @contextlib.contextmanager
+    def entry_order(self, n):
+        """Keep back the rows passed to :meth:`count` while the block runs; it receives a list
+        of n entries' rows (``()`` each) to fill, from :meth:`take` or :meth:`sparse_row`, and
+        they are counted, entry after entry, when it ends without an exception."""
+        rows = [()] * n
         self._held = []
+        try:
+            yield rows
+        finally:
+            self._held = None
+        self.count_rows([row for entry in rows for row in entry])
 
     def take(self):
-        """The rows kept back since :meth:`hold` or the last take (and keep back the next)."""
+        """The rows kept back since :meth:`entry_order` began or the last take (and keep back
+        the next)."""
         rows, self._held = self._held, []
         return rows
 
-    def release(self):
-        self._held = None
+    @staticmethod
+    def sparse_row(st, selected, words, seconds, density):
+        """The row of a sparsified tensor sent finite in a payload of ``words`` int32 words."""
+        return (st, selected, 4 * words + PLACEHOLDER_BYTES, False, seconds, density, (0, 0))
 
     # ------------------------------------------------------------- counting
     def count(self, st, selected, wire_bytes, nonfinite, seconds, density, fp16=(0, 0)):

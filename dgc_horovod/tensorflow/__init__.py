@@ -45,7 +45,7 @@ from dgc_horovod.adapter import DGCAdapter, compression_namespace
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.tensorflow.keras import (DGCTensorBoardCallback, DGCWarmupCallback, momentum_of,
-                                          warn_if_keras3)
+                                          refuse_loss_scaler, warn_if_keras3)
 from dgc_horovod.tensorflow.clipping import StepClipScale
 from dgc_horovod.tensorflow.variables import (ComparedModels, StateNames, collective_name,
                                               find_variable)
@@ -78,13 +78,7 @@ class DGC(DGCAdapter, Compressor):
     _hvd = hvd
 
     def __init__(self, config=None, **kwargs):
-        if "loss_scaler" in kwargs:
-            raise TypeError(
-                "loss_scaler= is supported by dgc_horovod.torch.DGC only: the TensorFlow DGC "
-                "cannot follow a Keras LossScaleOptimizer's scale (it changes inside the traced "
-                "training step). Under a LossScaleOptimizer DGC sees the scaled gradients: keep "
-                "clip_norm unset and weight decay in the optimizer (docs/reliability.md, "
-                "\"Mixed precision\")")
+        refuse_loss_scaler(kwargs)
         super().__init__(config, TFBackend(), **kwargs)
         self._names = StateNames()
         self._pending = {}      # between compress and decompress: name -> (ctx, words, world)
@@ -103,8 +97,7 @@ class DGC(DGCAdapter, Compressor):
         if op is not None and op not in (hvd.Average, hvd.Sum):
             raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
         process_set = process_set if process_set is not None else hvd.global_process_set
-        world = process_set.size()
-        if world > 1:
+        if process_set.size() > 1:
             self._models.check(*reduced, process_set)
         else:
             self._warn_single_process()

@@ -1,7 +1,9 @@
-"""What :mod:`dgc_horovod.tensorflow` does with Keras: the callbacks (:class:`DGCWarmupCallback`,
-:class:`DGCTensorBoardCallback`), the momentum of a wrapped Keras optimizer (:func:`momentum_of`,
-for the momentum-twice check) and the warning that Keras 3 cannot drive ``horovod.tensorflow``
-(:func:`warn_if_keras3`).
+"""What :mod:`dgc_horovod.tensorflow` does with Keras: the warning that Keras 3 cannot drive
+``horovod.tensorflow`` (:func:`warn_if_keras3`) and the refusal of a loss scaler, whose scale a
+Keras LossScaleOptimizer changes inside the traced step (:func:`refuse_loss_scaler`), both when
+the DGC is made; the momentum of a wrapped Keras optimizer (:func:`momentum_of`, for the
+momentum-twice check); and the callbacks (:class:`DGCWarmupCallback`,
+:class:`DGCTensorBoardCallback`).
 """
 import warnings
 
@@ -12,7 +14,8 @@ try:
 except ImportError:     # pragma: no cover - tf-keras is what horovod.tensorflow.keras needs
     _keras = tf.keras
 
-__all__ = ["DGCWarmupCallback", "DGCTensorBoardCallback", "momentum_of", "warn_if_keras3"]
+__all__ = ["DGCWarmupCallback", "DGCTensorBoardCallback", "momentum_of", "warn_if_keras3",
+           "refuse_loss_scaler"]
 
 _KERAS3_HINT = ("tf.keras is Keras 3 here: horovod.tensorflow 0.28 calls .ref() and .assign() on "
                 "variables and fails on Keras 3 models (DistributedGradientTape with "
@@ -26,6 +29,17 @@ def warn_if_keras3():
     """Warn, with the fix, when ``tf.keras`` is Keras 3."""
     if str(getattr(tf.keras, "__version__", "2")).startswith("3"):
         warnings.warn(_KERAS3_HINT)
+
+
+def refuse_loss_scaler(kwargs):
+    """TypeError, with the reason, for a ``loss_scaler`` among a TensorFlow DGC's ``kwargs``."""
+    if "loss_scaler" in kwargs:
+        raise TypeError(
+            "loss_scaler= is supported by dgc_horovod.torch.DGC only: the TensorFlow DGC "
+            "cannot follow a Keras LossScaleOptimizer's scale (it changes inside the traced "
+            "training step). Under a LossScaleOptimizer DGC sees the scaled gradients: keep "
+            "clip_norm unset and weight decay in the optimizer (docs/reliability.md, "
+            "\"Mixed precision\")")
 
 
 def momentum_of(optimizer):

@@ -34,9 +34,6 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   with momentum=0 (DGC raises a ValueError at the first step when both are > 0), and weight decay
   belongs in ``DGC(weight_decay=...)`` (docs/usage.md, "Momentum, weight decay and clipping").
 """
-import warnings
-import weakref
-
 import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
@@ -47,7 +44,8 @@ from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch import elastic
 from dgc_horovod.torch.exchange import Exchange, Pending
-from dgc_horovod.torch.params import find_parameter, param_group
+from dgc_horovod.torch.loss_scale import check_loss_scaler, read_loss_scale
+from dgc_horovod.torch.params import OptimizerChecks, find_parameter
 
 __all__ = ["DGC"]
 
@@ -75,15 +73,9 @@ class DGC(DGCAdapter, Compressor):
     reset each rank drops its velocities and residuals (:meth:`on_reset`).
 
     Mixed precision: pass the loss scaler, ``DGC(..., loss_scaler=scaler)`` with
-    ``scaler = torch.amp.GradScaler()`` (or any object whose ``get_scale()`` returns the current
-    loss scale as a number), and use the GradScaler pattern of docs/usage.md. DGC then reads the
-    scale once per step, at the step's first gradient, and keeps its velocities and residuals in
-    the units of that scale: when the scaler backs off or grows, they are rescaled by
-    new / old, clipping compares the unscaled norm with ``clip_norm`` and weight decay adds
-    λ·scale·w, so that after ``scaler.unscale_(opt)`` the update is the one DGC gives without a
-    loss scaler (bit-identical with GradScaler's power-of-two scales; the equations:
-    :mod:`dgc_horovod.core.compressor`). Without ``loss_scaler`` DGC works on the scaled
-    gradients as they come: its state is then wrong by old / new after every change of scale.
+    ``scaler = torch.amp.GradScaler()``, and DGC keeps its velocities and residuals in the units
+    of the scaler's scale, so that after ``scaler.unscale_(opt)`` the update is the one DGC gives
+    without a loss scaler (:mod:`dgc_horovod.torch.loss_scale`).
 
     Attributes: config (DGCConfig), stats (the most recent step's CompressionStats of this rank:
     elements selected, wire bytes, dense bytes, ratio), total_stats (cumulative), density (in
@@ -101,14 +93,11 @@ class DGC(DGCAdapter, Compressor):
     _own_kwargs = ("loss_scaler",)
 
     def __init__(self, config=None, loss_scaler=None, **kwargs):
-        if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
-            raise TypeError(f"loss_scaler must be a loss scaler with a get_scale() method (e.g. "
-                            f"torch.amp.GradScaler()) or None, got {type(loss_scaler).__name__}")
+        check_loss_scaler(loss_scaler)
         super().__init__(config, TorchBackend(), **kwargs)
         self._loss_scaler = loss_scaler
         self._exchange = Exchange(self._core, self.config.bucket_numel)
-        self._checked = set()
-        self._optimizer = None          # weak reference to the one optimizer this DGC serves
+        self._checks = OptimizerChecks(self.config, self._check_momentum)
         if hvd.is_initialized() and hvd.size() == 1:
             self._warn_single_process()
 
@@ -129,8 +118,7 @@ class DGC(DGCAdapter, Compressor):
             self._read_loss_scale()
         if self._core.fit_pending:                  # the first step after load_state_dict
             self._core.check_fit(opt._parameter_names.values())
-        if name not in self._checked:
-            self._check(opt, p, name)
+        self._checks(opt, p, name)
         process_set = opt.process_set
         world = process_set.size()
         average = opt.op == hvd.Average
@@ -180,33 +168,7 @@ class DGC(DGCAdapter, Compressor):
         return dense.view(ctx.shape).to(ctx.dtype)
 
     def _read_loss_scale(self):
-        """Hand the loss scaler's current scale to the core (which rescales the state when it
-        changed): once per step, before the step's first gradient is accumulated."""
-        scale = self._loss_scaler.get_scale()
-        try:
-            self._core.set_loss_scale(scale)
-        except ValueError:
-            raise ValueError(f"DGC: loss_scaler.get_scale() must return a finite number > 0, "
-                             f"got {scale!r}") from None
-
-    def _check(self, opt, p, name):
-        """A parameter's first step: one optimizer per DGC, momentum not applied twice."""
-        owner = self._optimizer() if self._optimizer is not None else None
-        if owner is None:
-            self._optimizer = weakref.ref(opt)
-        elif owner is not opt:
-            raise ValueError("one DGC object is the compression of two DistributedOptimizers; "
-                             "its per-parameter residuals would mix the two models' gradients. "
-                             "Create one DGC(...) per optimizer.")
-        group = param_group(opt, p)
-        if group is not None:
-            if "betas" in group and self.config.momentum > 0 and not self._checked:
-                warnings.warn(
-                    f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
-                    f"momentum={self.config.momentum}) adds momentum correction on top. For "
-                    "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
-            self._check_momentum(name, opt, group.get("momentum", 0.0) or 0.0)
-        self._checked.add(name)
+        read_loss_scale(self._core, self._loss_scaler)
 
     # Horovod Elastic (the rule and the handler's operations: dgc_horovod.adapter) --------------
     _horovod_session = staticmethod(elastic.horovod_session)
@@ -215,7 +177,7 @@ class DGC(DGCAdapter, Compressor):
         self._exchange = Exchange(self._core, self.config.bucket_numel)
 
     def _drop_checks(self):
-        self._checked = set()
+        self._checks.forget_parameters()
 
     def _between_steps(self, what, when):
         self._exchange.check_between_steps(what, when)

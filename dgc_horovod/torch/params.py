@@ -14,13 +14,18 @@ every step) and ``False``, with ``backward_passes_per_step > 1`` (compress runs 
 accumulated gradient), and for parameters without a gradient in a step (Horovod hands DGC zeros;
 DGC then only decays the velocity). Called from anywhere else, DGC raises a RuntimeError saying
 how to use it.
+
+At a parameter's first step :class:`OptimizerChecks` then checks the optimizer it was found in:
+one optimizer per DGC, and momentum not applied twice.
 """
 import sys
+import warnings
+import weakref
 
 import horovod.torch as hvd
 import torch
 
-__all__ = ["find_parameter", "param_group"]
+__all__ = ["find_parameter", "param_group", "OptimizerChecks"]
 
 _HINT = ("pass it to horovod.torch.DistributedOptimizer(..., compression=DGC(...)); "
          "DGC keeps per-parameter state and must know which parameter a gradient belongs to")
@@ -70,3 +75,41 @@ def param_group(opt, p):
         if any(q is p for q in group["params"]):
             return group
     return None
+
+
+class OptimizerChecks:
+    """The checks of a parameter's first step with one DGC (call it with (optimizer, parameter,
+    name) at every compress; a checked parameter costs a set lookup): one optimizer per DGC (a
+    second one is refused, its per-parameter residuals would mix the two models' gradients),
+    momentum not applied twice (``check_momentum(name, optimizer, momentum)``, the adapter's),
+    and a warning for Adam-like optimizers when DGC's momentum (``config.momentum``) is > 0."""
+
+    def __init__(self, config, check_momentum):
+        self._config, self._check_momentum = config, check_momentum
+        self._checked = set()       # the parameters checked
+        self._optimizer = None      # weak reference to the one optimizer this DGC serves
+
+    def __call__(self, opt, p, name):
+        if name in self._checked:
+            return
+        owner = self._optimizer() if self._optimizer is not None else None
+        if owner is None:
+            self._optimizer = weakref.ref(opt)
+        elif owner is not opt:
+            raise ValueError("one DGC object is the compression of two DistributedOptimizers; "
+                             "its per-parameter residuals would mix the two models' gradients. "
+                             "Create one DGC(...) per optimizer.")
+        group = param_group(opt, p)
+        if group is not None:
+            if "betas" in group and self._config.momentum > 0 and not self._checked:
+                warnings.warn(
+                    f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
+                    f"momentum={self._config.momentum}) adds momentum correction on top. For "
+                    "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
+            self._check_momentum(name, opt, group.get("momentum", 0.0) or 0.0)
+        self._checked.add(name)
+
+    def forget_parameters(self):
+        """Check every parameter again at its next step (the elastic reset rule); the optimizer
+        this DGC serves stays."""
+        self._checked = set()
