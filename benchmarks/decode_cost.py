@@ -4,8 +4,8 @@ N simulated ranks (default 2) each compress random gradients with ResNet-50's 16
 (benchmarks/shapes.py) through ``DGCCore.compress_many``, bucket by bucket as the PyTorch adapter
 plans them (default settings: ``bucket_numel`` 2**22, 1-D tensors dense); each bucket's frames are
 concatenated in rank order (what Horovod's allgather returns). Then, per step, rank 0's receive
-side is timed as the adapter runs it: per bucket ``kernels.split_bucket`` (``wire.split_bucket``
-for the reference), then per sparsified member the concatenation of its payloads and
+side is timed as the adapter runs it: per bucket ``DGCCore.split_bucket`` (``kernels.split_bucket``,
+``wire.split_bucket`` for the reference), then per sparsified member the concatenation of its payloads and
 ``DGCCore.decompress`` into the gradient's own storage (``out``, what the adapter passes for a
 float32 gradient). Timed two ways in interleaved rounds:
 the decode kernel (``DGCCore.use_kernels = True``: :func:`dgc_horovod.core.kernels.decode_sum`
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import resnet50  # noqa: E402
 
-from dgc_horovod.core import DGCConfig, DGCCore, kernels, wire  # noqa: E402
+from dgc_horovod.core import DGCConfig, DGCCore, wire  # noqa: E402
 from dgc_horovod.core.buckets import plan_buckets  # noqa: E402
 from dgc_horovod.backends.torch_backend import TorchBackend  # noqa: E402
 
@@ -70,8 +70,7 @@ def receive(core, buckets, outs, ranks):
     """Rank 0's receive side of one step, as the adapter runs it (exchange.receive + decompress)."""
     B = core.B
     for name, members, gathered, sparse in buckets:
-        split = kernels.split_bucket if core.use_kernels else wire.split_bucket
-        parts = split(B, gathered, ranks, members, name)
+        parts = core.split_bucket(gathered, ranks, members, name)
         for m, n, ctx in sparse:
             got = parts[m]
             core.decompress(B.cat(got) if got else got, ctx, ranks, True, len(got), outs[n])

@@ -11,7 +11,7 @@ under ``horovodrun`` (:mod:`dgc_horovod.torch`, :mod:`dgc_horovod.torch.exchange
    ``core.compress_many`` of its sparsified members, framed by ``wire.frame_bucket``; every
    dense member: ``core.compress`` (its momentum-corrected velocity);
 4. the exchange: a bucket's frames concatenated in rank order (what Horovod's allgather
-   returns), split by ``wire.split_bucket`` and decoded by each worker's ``core.decompress``
+   returns), split by ``DGCCore.split_bucket`` and decoded by each worker's ``core.decompress``
    (sum in rank order, divided by N for Average); dense velocities summed in rank order and
    divided by N (Horovod's Average);
 5. ``core.apply_weight_decay`` (``weight_decay_mode="separate"``), then ``p.grad`` is set to the
@@ -174,7 +174,7 @@ class SimulatedCluster:
             gathered = B.cat([segments[k][b] for k in range(N)])
             for k in range(N):
                 cores[k].count_allgather(B.numel(gathered), B.numel(segments[k][b]))
-            parts = wire.split_bucket(B, gathered, N, len(members), "dgc.bucket." + members[0])
+            parts = cores[0].split_bucket(gathered, N, len(members), "dgc.bucket." + members[0])
             for m, (n, s) in enumerate(zip(members, flags)):
                 if not s:
                     continue

@@ -199,6 +199,30 @@ def test_bucket_split_declines_or_matches(backend, numels, ranks, draw):
         [[to_np(p).tolist() for p in ps] for ps in want]
 
 
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_core_split_bucket_follows_use_kernels(use_kernels, monkeypatch):
+    """DGCCore.split_bucket (what the adapter and the simulated cluster call) takes the
+    kernel's walk exactly when use_kernels is set, and gives wire.split_bucket's parts."""
+    B = BACKENDS["torch"]
+    rng = np.random.default_rng(3)
+    frames = []
+    for _ in range(2):                                   # two ranks, a bucket of two tensors
+        core = DGCCore(DGCConfig(warmup_epochs=0, min_sparse_numel=1), B)
+        res = core.compress_many([(f"w{m}", torch.from_numpy(rng.standard_normal(500, np.float32)),
+                                   None) for m in range(2)], 2)
+        assert [r[0] for r in res] == ["sparse", "sparse"]
+        frames.append(wire.frame_bucket(B, [(m, r[1]) for m, r in enumerate(res)], like=res[0][1]))
+    gathered = B.cat(frames)
+    core.use_kernels = use_kernels
+    calls, real = [], kernels.split_bucket
+    monkeypatch.setattr(kernels, "split_bucket", lambda *a: calls.append(a) or real(*a))
+    got = core.split_bucket(gathered, 2, 2, "b")
+    want = wire.split_bucket(B, gathered, 2, 2, "b")
+    assert [len(ps) for ps in got] == [2, 2]
+    assert [[p.tolist() for p in ps] for ps in got] == [[p.tolist() for p in ps] for ps in want]
+    assert len(calls) == (1 if use_kernels else 0)
+
+
 # ============================================================ through DGCCore.decompress
 def vec(B, a):
     a = np.array(a, np.float32, copy=True)

@@ -631,6 +631,14 @@ class DGCCore:
         with self._lock:
             regions.keep_unapplied(self.B, st.u, st.v, summed, ctx.indices, ctx.u_sent, dropped)
 
+    def split_bucket(self, gathered, world_size, members, name):
+        """An allgathered bucket cut into its members' payloads (:func:`wire.split_bucket`, the
+        same arguments after the backend and the same result): with the kernels
+        (``use_kernels``) the walk over the segments is one :func:`kernels.split_bucket` call,
+        as decompress's decode is one kernel call; the tensor ops otherwise."""
+        split = kernels.split_bucket if self.use_kernels else wire.split_bucket
+        return split(self.B, gathered, world_size, members, name)
+
     def decompress(self, gathered, ctx, world_size, average=True, ranks=None, out=None,
                    dropped=None):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.

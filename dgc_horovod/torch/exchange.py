@@ -53,7 +53,7 @@ import horovod.torch as hvd
 import torch
 
 from dgc_horovod.adapter import check_same_model
-from dgc_horovod.core import PLACEHOLDER_BYTES, kernels, regions, wire
+from dgc_horovod.core import PLACEHOLDER_BYTES, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
 
 __all__ = ["Exchange", "Pending"]
@@ -287,8 +287,8 @@ class Exchange:
         core.add_wire_bytes(0, received=4 * (B.numel(out) - received[me]))
         senders = sum(1 for words in received if words)   # the frames, in rank order
         entries = []
-        for m, parts in enumerate(kernels.split_bucket(B, out, senders, len(flight.names),
-                                                       flight.name)):
+        for m, parts in enumerate(core.split_bucket(out, senders, len(flight.names),
+                                                    flight.name)):
             if not parts:                   # no rank has entries of this tensor in the region
                 continue
             payload, flight.dropped[m] = core.reduce_region(
@@ -321,8 +321,8 @@ class Exchange:
         if flight.parts is None:
             gathered = hvd.synchronize(flight.share)
             self._core.count_allgather(gathered.numel(), flight.words)
-            flight.parts = kernels.split_bucket(B, gathered, flight.process_set.size(),
-                                                len(flight.names), flight.name)
+            flight.parts = self._core.split_bucket(gathered, flight.process_set.size(),
+                                                   len(flight.names), flight.name)
             flight.empty = B.int32_tensor([], like=gathered)
         parts = flight.parts[member]
         return (B.cat(parts) if parts else flight.empty), len(parts), flight.dropped.get(member)
@@ -480,7 +480,7 @@ class Exchange:
             if launch.parts is None:
                 gathered = hvd.synchronize(launch.handle)
                 self._core.count_allgather(gathered.numel(), launch.words)
-                launch.parts = kernels.split_bucket(self._core.B, gathered, world_size,
-                                                    len(bucket.members), bucket.name)
+                launch.parts = self._core.split_bucket(gathered, world_size,
+                                                       len(bucket.members), bucket.name)
         parts = launch.parts[member]
         return (self._core.B.cat(parts) if parts else parts), len(parts), None
