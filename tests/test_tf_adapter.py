@@ -55,3 +55,32 @@ def test_uncalled_factory_or_class_shows_the_right_line():
 def test_loss_scaler_is_refused_with_the_reason():
     with pytest.raises(TypeError, match=r"loss_scaler= is supported by dgc_horovod.torch.DGC only"):
         DGC(loss_scaler=tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD()))
+
+
+def test_backend_follows_the_device():
+    """Without a GPU the core runs on NumPy arrays and the fused C kernels (as PyTorch on a CPU);
+    device="gpu" keeps eager TensorFlow ops; anything else is refused by name."""
+    from dgc_horovod.core.backend import NumpyBackend
+    from dgc_horovod.backends.tf_backend import TFBackend
+    if not tf.config.list_logical_devices("GPU"):
+        assert isinstance(DGC()._core.B, NumpyBackend) and DGC()._core.use_kernels
+    assert isinstance(DGC(device="cpu")._core.B, NumpyBackend)
+    assert isinstance(DGC(device="gpu")._core.B, TFBackend)
+    with pytest.raises(ValueError, match="device"):
+        DGC(device="tpu")
+
+
+def test_host_view_is_read_only_and_results_are_copied():
+    """The core reads the gradient through a read-only view of TensorFlow's memory (no copy, and
+    a write would raise); what it returns is copied into a new tensor, so the velocity state it
+    came from can change without changing the tensor TensorFlow holds."""
+    import numpy as np
+    dgc = DGC(device="cpu", momentum=0.9, min_sparse_numel=1024)
+    g = tf.constant(np.arange(6, dtype=np.float32))
+    view = dgc._host(g)
+    assert not view.flags.writeable
+    kind, out, _ = dgc._core.compress("b", view, 2)
+    assert kind == "dense"
+    held = tf.py_function(lambda: out, [], tf.float32)
+    dgc._core.compress("b", dgc._host(g), 2)            # u <- 0.9 u + g changes the state
+    assert np.array_equal(held.numpy(), np.arange(6)) and np.array_equal(g.numpy(), np.arange(6))

@@ -23,7 +23,7 @@ def run(request, tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", ["eager", "function", "function_tf_ops"])
 def test_variables_identical_after_20_steps(run, mode):
     r = run["identical"][mode]
     assert r["identical"] and r["changed"] and r["steps"] == 20
@@ -31,7 +31,8 @@ def test_variables_identical_after_20_steps(run, mode):
     assert r["sparse"] == ["fc1/kernel:0", "fc2/kernel:0"]
 
 
-@pytest.mark.parametrize("case", ["momentum_correction", "nesterov", "masking_equals_plain_sgd"])
+@pytest.mark.parametrize("case", ["momentum_correction", "nesterov", "masking_equals_plain_sgd",
+                                  "momentum_correction_tf_ops"])
 def test_ratio_one_equals_dense_sgd(run, case):
     assert run["equivalence"][case] < 1e-6
 

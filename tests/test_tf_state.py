@@ -3,7 +3,9 @@ warm-up epoch and the threshold-sampling generator, so training continues bit-id
 
 hvd.init() runs in a child process (one Horovod process, no launcher), so the pytest process
 never initializes Horovod or MPI. The gradients go through the DGC core exactly as the adapter's
-compress/decompress would send them (world size 2, this rank's own payload).
+compress/decompress would send them (world size 2, this rank's own payload), on both of the
+adapter's backends (``device="cpu"``: NumPy + C kernels; ``"gpu"``: eager TensorFlow ops, which
+run on this CPU too), and a state saved on one loads on the other.
 """
 import os
 import pickle
@@ -18,6 +20,12 @@ pytestmark = pytest.mark.adapter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dict(compress_ratio=0.05, momentum=0.9, warmup_epochs=4, min_sparse_numel=16, seed=3)
+DEVICES = ["cpu", "gpu"]
+
+
+def _gen(state):
+    """A generator state, comparable with ==."""
+    return state if isinstance(state, dict) else to_np(state).tolist()
 
 
 def _steps(dgc, n, seed):
@@ -26,7 +34,7 @@ def _steps(dgc, n, seed):
     rng, outs = np.random.default_rng(seed), []
     for _ in range(n):
         for name, shape in [("dense_1/kernel:0", (40, 10)), ("dense_1/bias:0", (10,))]:
-            g = tf.constant(rng.standard_normal(shape).astype(np.float32))
+            g = dgc._host(tf.constant(rng.standard_normal(shape).astype(np.float32)))
             kind, out, ctx = dgc._core.compress(name, g, 2)
             if kind == "sparse":
                 out = dgc._core.decompress(out, ctx, 2, ranks=1)
@@ -48,10 +56,15 @@ def _same(a, b):
         for n in a for x, y in zip(a[n], b[n]))
 
 
-def _child():
+def _child(device):
+    import warnings
+
     import numpy as np
     import horovod.tensorflow as hvd
-    from dgc_horovod.tensorflow import DGC
+    from dgc_horovod.tensorflow import DGC as _DGC
+
+    def DGC(**kw):
+        return _DGC(device=device, **kw)
 
     try:
         DGC(**CFG).state_dict()
@@ -75,7 +88,7 @@ def _child():
 
     # through pickle with NumPy arrays, as a checkpoint file would carry it
     plain = pickle.loads(pickle.dumps({
-        **sd, "generator": to_np(sd["generator"]),
+        **sd, "generator": _gen(sd["generator"]),
         "tensors": {n: {k: (to_np(v) if k in ("u", "v") and v is not None else v)
                         for k, v in t.items()} for n, t in sd["tensors"].items()}}))
     for loaded_sd in (sd, plain):
@@ -83,7 +96,7 @@ def _child():
         b.load_state_dict(loaded_sd)
         assert _same(_snapshot(b), saved), "u/v not restored"
         assert b._core.epoch == 1.5 and b.density == a.density
-        assert np.array_equal(to_np(b._core._generator.state), to_np(sd["generator"]))
+        assert _gen(b._core.B.generator_state(b._core._generator)) == _gen(sd["generator"])
         assert b.total_stats.steps == sd["total_stats"]["steps"]
         got = _steps(b, 3, seed=1)
         assert all(np.array_equal(x.view(np.int32), y.view(np.int32)) for x, y in zip(got, ref))
@@ -100,10 +113,18 @@ def _child():
     assert c.states == {} and c._core.epoch == 0.0                      # nothing changed
     c.load_state_dict(dict(sd, world_size=2), reset_residuals=True)
     assert c.states == {} and c._core.epoch == 1.5
+
+    # saved on the other backend: u/v load exactly, the generator cannot (a warning says so)
+    other = _DGC(device="gpu" if device == "cpu" else "cpu", **CFG)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(sd)
+    assert any("generator" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert _same(_snapshot(other), saved) and other._core.epoch == 1.5
     print("TF-STATE-OK")
 
 
-def _elastic_child():
+def _elastic_child(device):
     """dgc_horovod.tensorflow.elastic's three states in one process (the elastic jobs are in
     tests/test_elastic.py): each carries the DGC through commit, restore and reset; a wrong
     assignment is refused; Horovod's own state refuses a DGC at sync, naming these classes."""
@@ -123,7 +144,7 @@ def _elastic_child():
     for make in (lambda d: dgc_elastic.TensorFlowKerasState(model, opt, dgc=d, step=0),
                  lambda d: dgc_elastic.TensorFlowState(model.variables, dgc=d, step=0),
                  lambda d: dgc_elastic.KerasState(model, opt, dgc=d, step=0)):
-        dgc = DGC(**CFG)
+        dgc = DGC(device=device, **CFG)
         state = make(dgc)
         assert state.dgc is dgc and state.step == 0 and "dgc" not in state._saved_state
         _steps(dgc, 2, seed=0)
@@ -135,7 +156,7 @@ def _elastic_child():
         assert _same(_snapshot(dgc), committed), f"{type(state).__name__}: u/v not restored"
         now = dgc.state_dict()
         assert now["steps"] == sd["steps"] and now["total_stats"] == sd["total_stats"]
-        assert np.array_equal(to_np(now["generator"]), to_np(sd["generator"]))
+        assert _gen(now["generator"]) == _gen(sd["generator"])
         state.sync()                                     # one rank: its own config, position
         state.on_reset()                                 # what hvd.elastic.run calls at a reset
         assert dgc.resets == 1 and dgc.states == {} and dgc.state_dict()["steps"] == sd["steps"]
@@ -145,7 +166,7 @@ def _elastic_child():
         except TypeError as e:
             assert "state.dgc" in str(e), str(e)
         assert state.dgc is dgc
-        other = DGC(**CFG)
+        other = DGC(device=device, **CFG)
         state.dgc = other                                # another DGC: carried from now on
         _steps(other, 1, seed=2)
         state.commit()
@@ -154,7 +175,7 @@ def _elastic_child():
         state.restore()
         assert _same(_snapshot(other), committed) and len(committed) == 2
 
-    dgc = DGC(**CFG)
+    dgc = DGC(device=device, **CFG)
     for attempt in (lambda: pickle.dumps(dgc), lambda: copy.deepcopy(dgc),
                     lambda: hvd.elastic.TensorFlowKerasState(model, opt, dgc=dgc).sync()):
         try:
@@ -165,21 +186,24 @@ def _elastic_child():
     print("TF-ELASTIC-STATES-OK")
 
 
-def _run_child(which, marker):
+def _run_child(which, marker, device):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), which], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), which, device], cwd=ROOT,
+                          env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and marker in proc.stdout, \
         proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_tf_state_dict_round_trip_resumes_bit_identically():
-    _run_child("state_dict", "TF-STATE-OK")
+@pytest.mark.parametrize("device", DEVICES)
+def test_tf_state_dict_round_trip_resumes_bit_identically(device):
+    _run_child("state_dict", "TF-STATE-OK", device)
 
 
-def test_tf_elastic_states_carry_dgc():
-    _run_child("elastic", "TF-ELASTIC-STATES-OK")
+@pytest.mark.parametrize("device", DEVICES)
+def test_tf_elastic_states_carry_dgc(device):
+    _run_child("elastic", "TF-ELASTIC-STATES-OK", device)
 
 
 if __name__ == "__main__":
-    {"state_dict": _child, "elastic": _elastic_child}[sys.argv[1]]()
+    {"state_dict": _child, "elastic": _elastic_child}[sys.argv[1]](sys.argv[2])

@@ -19,23 +19,22 @@ How it rides on stock Horovod (0.28.x, unmodified):
   gradient only. **Which variable is this?** DGC finds it on the Python stack at trace time
   (:mod:`dgc_horovod.tensorflow.variables`): each variable gets the same state key and collective
   name on every rank (its ``var.name``; ``name#2`` for a second variable of the same name).
-* **State** (velocity u, residual v) is held by the framework-agnostic core in ``tf.Variable``s
-  created eagerly. The per-step work (accumulate, select, encode; later decode) runs eagerly in
-  ``tf.py_function`` ops placed in the traced graph, so Python-side settings such as the warm-up
-  density take effect without retracing.
+* **State** (velocity u, residual v) is held by the framework-agnostic core. The per-step work
+  (accumulate, select, encode; later decode) runs eagerly in ``tf.py_function`` ops placed in the
+  traced graph, so Python-side settings such as the warm-up density take effect without
+  retracing. Where TensorFlow sees no GPU the core runs on NumPy arrays and the fused C kernels;
+  with a GPU, on eager TensorFlow ops and ``tf.Variable``s (:mod:`dgc_horovod.tensorflow.host`).
 * **Exchange.** A sparsified tensor's payload goes through ``hvd.allgather`` (an op in the same
-  graph); Horovod's own allreduce gets a 1-element placeholder (this rank's entry count). Small tensors
-  (``min_sparse_numel``) send their momentum-corrected velocity through that allreduce instead.
+  graph); Horovod's own allreduce gets a 1-element placeholder (this rank's entry count). Small
+  tensors (``min_sparse_numel``) send their momentum-corrected velocity through it instead.
 * ``tf.IndexedSlices`` gradients (embeddings) keep Horovod's own allgather path, untouched by DGC,
   unless ``sparse_as_dense=True`` turns them into dense gradients, which DGC then compresses.
 * **Rank mismatches.** The first time ``compress`` sees a list of variables (at trace time), the
   ranks compare it and raise a ValueError naming the first difference on every rank, not hang.
-* With a single process Horovod skips the reduction (and so DGC) entirely; DGC warns then, since the
-  optimizer would run without the momentum DGC provides.
-* **Global clipping**: one clipping factor per traced step (:mod:`dgc_horovod.tensorflow.clipping`).
-* **Horovod Elastic**: :mod:`dgc_horovod.tensorflow.elastic`; a traced step reads the world size.
-* **Keras**: the callbacks are in :mod:`dgc_horovod.tensorflow.keras`. Keras 3 (the default
-  ``tf.keras`` of TF 2.21) breaks parts of ``horovod.tensorflow``: use tf-keras (see README).
+* One process: Horovod skips the reduction (and DGC, and so its momentum); DGC warns.
+* Global clipping: :mod:`~dgc_horovod.tensorflow.clipping` (one factor per traced step); Horovod
+  Elastic: :mod:`~dgc_horovod.tensorflow.elastic`; Keras callbacks:
+  :mod:`~dgc_horovod.tensorflow.keras` (Keras 3 breaks ``horovod.tensorflow``: use tf-keras).
 """
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -43,10 +42,10 @@ from horovod.tensorflow.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter, compression_namespace
 from dgc_horovod.core.sparsify import is_sparse
-from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.tensorflow.keras import (DGCTensorBoardCallback, DGCWarmupCallback, momentum_of,
                                           refuse_loss_scaler, warn_if_keras3)
 from dgc_horovod.tensorflow.clipping import StepClipScale
+from dgc_horovod.tensorflow.host import Host, make_backend
 from dgc_horovod.tensorflow.variables import (ComparedModels, StateNames, collective_name,
                                               find_variable)
 
@@ -56,7 +55,9 @@ __all__ = ["DGC", "DGCWarmupCallback"]
 class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod TensorFlow compressor (Lin et al., ICLR 2018).
 
-    Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig`, or ``config=DGCConfig``.
+    Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig`, or ``config=DGCConfig``;
+    ``device`` ("cpu", "gpu", default None: "gpu" when TensorFlow sees one) picks where the
+    per-step work runs (:func:`dgc_horovod.tensorflow.host.make_backend`).
     Use one DGC object per optimizer / tape, created identically on every rank, with an optimizer
     without momentum when DGC's momentum > 0 (DGC applies momentum correction itself).
 
@@ -77,13 +78,14 @@ class DGC(DGCAdapter, Compressor):
 
     _hvd = hvd
 
-    def __init__(self, config=None, **kwargs):
+    def __init__(self, config=None, *, device=None, **kwargs):
         refuse_loss_scaler(kwargs)
-        super().__init__(config, TFBackend(), **kwargs)
+        super().__init__(config, make_backend(device), **kwargs)
+        self._host = Host(self._core.B)
         self._names = StateNames()
         self._pending = {}      # between compress and decompress: name -> (ctx, words, world)
         self._models = ComparedModels()     # variable lists already compared across ranks
-        self._clip_scale = StepClipScale(self._core, self._follow_horovod)
+        self._clip_scale = StepClipScale(self._core, self._follow_horovod, self._host)
         warn_if_keras3()
 
     # Horovod Compressor API ---------------------------------------------------------------
@@ -106,11 +108,10 @@ class DGC(DGCAdapter, Compressor):
         if numel is None:
             raise ValueError(f"DGC needs a static shape for the gradient of {name!r}, got "
                              f"{tensor.shape}")
-        core, pending = self._core, self._pending
+        core, pending, host, variables = self._core, self._pending, self._host, reduced[1]
         sparse = is_sparse(numel, len(tensor.shape), self.config)
         average = op is None or op == hvd.Average
         scale = self._clip_scale(reduced[0], tensor, process_set, average)
-        variables = reduced[1]
 
         def run_compress(grad, param, clip_scale):
             # The world size is read when the step runs, not when it was traced: an elastic
@@ -119,18 +120,19 @@ class DGC(DGCAdapter, Compressor):
             now = process_set.size()
             if core.fit_pending:                    # the first step after load_state_dict:
                 core.check_fit(self._names.known(variables))    # every variable reduced
-            kind, out, ctx = core.compress(name, grad, now, param, average,
+            kind, out, ctx = core.compress(name, host(grad), now, host(param), average,
                                            float(clip_scale) if core.needs_clip_scale else None)
             if kind == "sparse":                    # and the allgather's input size
                 pending[name] = (ctx, core.B.numel(out), now)
             return tf.convert_to_tensor(out)
 
-        param = var if core.needs_param else tf.zeros([0])
+        param = tf.cast(var, host.dtype(var)) if core.needs_param else tf.zeros([0])
+        tensor_in = tf.cast(tensor, host.dtype(tensor))
         if not sparse:
-            velocity = tf.py_function(run_compress, [tensor, param, scale], tf.float32)
+            velocity = tf.py_function(run_compress, [tensor_in, param, scale], tf.float32)
             return (tf.cast(tf.reshape(velocity, tensor.shape), tensor.dtype),
                     (None, tensor, name, var))
-        payload = tf.py_function(run_compress, [tensor, param, scale], tf.int32)
+        payload = tf.py_function(run_compress, [tensor_in, param, scale], tf.int32)
         payload.set_shape([None])
         gathered = hvd.allgather(payload, name=collective_name(name), process_set=process_set)
         # The 1-element placeholder for Horovod's allreduce is this rank's entry count (word 2 of
@@ -144,35 +146,39 @@ class DGC(DGCAdapter, Compressor):
         """Trace-time: decode the allgathered payloads (dense update), or pass a dense result;
         with ``weight_decay_mode="separate"`` the weight decay term is added to either."""
         info, original, name, var = ctx
-        core, pending = self._core, self._pending
+        core, pending, host = self._core, self._pending, self._host
         separate_wd = core.separate_weight_decay
         if info is None:
             if not separate_wd:
                 return tensor
 
             def run_wd(update, param):
-                flat = tf.Variable(tf.reshape(tf.cast(update, tf.float32), [-1]))
-                return tf.convert_to_tensor(core.apply_weight_decay(name, flat, param))
+                flat = core.B.float32_flat(host(update))
+                return tf.convert_to_tensor(core.apply_weight_decay(name, flat, host(param)))
 
-            dense = tf.py_function(run_wd, [tensor, var], tf.float32)
+            dense = tf.py_function(run_wd, [tf.cast(tensor, host.dtype(tensor)),
+                                            tf.cast(var, host.dtype(var))], tf.float32)
             return tf.cast(tf.reshape(dense, original.shape), original.dtype)
         _, average, gathered = info
 
         def run_decompress(g, _placeholder, param):
             ctx, words, world = pending.pop(name)
+            g = host(g)
             core.count_allgather(core.B.numel(g), words)
             out = core.decompress(g, ctx, world, average)
             if separate_wd:
-                out = core.apply_weight_decay(name, out, param)
+                out = core.apply_weight_decay(name, out, host(param))
             return tf.convert_to_tensor(out)
 
-        param = var if separate_wd else tf.zeros([0])
+        param = tf.cast(var, host.dtype(var)) if separate_wd else tf.zeros([0])
         dense = tf.py_function(run_decompress, [gathered, tensor, param], tf.float32)
         return tf.cast(tf.reshape(dense, original.shape), original.dtype)
 
     # checkpoints and Horovod Elastic (the rule: dgc_horovod.adapter; states: elastic.py) ------
     def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
-        super().load_state_dict(state_dict, reset_residuals, process_set)
+        current = self._core.B.generator_state(self._core._generator)
+        super().load_state_dict(self._host.portable(state_dict, current), reset_residuals,
+                                process_set)
         self._drop_pending()
 
     load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__
@@ -185,12 +191,10 @@ class DGC(DGCAdapter, Compressor):
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
-            "a dgc_horovod.tensorflow.DGC cannot be pickled or copied: its state is per rank and "
-            "lives in tf.Variables. For Horovod Elastic, pass it to a state of "
-            "dgc_horovod.tensorflow.elastic (TensorFlowKerasState, TensorFlowState or "
-            "KerasState; same arguments as Horovod's), whose commit, restore and sync carry it: "
-            "Horovod's own TensorFlow states would broadcast the object by pickling; to "
-            "checkpoint, save dgc.state_dict()")
+            "a dgc_horovod.tensorflow.DGC cannot be pickled or copied: its state is per rank. For "
+            "Horovod Elastic, pass it to a state of dgc_horovod.tensorflow.elastic "
+            "(TensorFlowKerasState, TensorFlowState or KerasState; Horovod's own would pickle "
+            "it), whose commit, restore and sync carry it; to checkpoint, save dgc.state_dict()")
 
 
 #: Horovod-style namespace of compressors: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`.

@@ -20,8 +20,8 @@ class StepClipScale:
             elastic reset rule).
     """
 
-    def __init__(self, core, follow_horovod):
-        self._core, self._follow_horovod = core, follow_horovod
+    def __init__(self, core, follow_horovod, host):
+        self._core, self._follow_horovod, self._host = core, follow_horovod, host
         self._last = None       # (grads list, graph, clip factor tensor) of the traced step
 
     def __call__(self, grads, tensor, process_set, average):
@@ -33,11 +33,12 @@ class StepClipScale:
             return self._last[2]
         dense = [g.values if isinstance(g, tf.IndexedSlices) else g
                  for g in grads if g is not None]
+        dense = [tf.cast(g, self._host.dtype(g)) for g in dense]
 
         def run_scale(*gs):
             self._follow_horovod()
-            return tf.constant(core.clip_scale(list(gs), process_set.size(), average),
-                                tf.float32)
+            scale = core.clip_scale([self._host(g) for g in gs], process_set.size(), average)
+            return tf.constant(scale, tf.float32)
 
         # in the graph the gradients live in, not in the tf.cond branch Horovod traces each
         # tensor's reduction in: every branch then captures the same one op

@@ -82,8 +82,8 @@ def train_step(step):
 
 
 def dgc_arrays():
-    return {name: (st.sparse, st.u.numpy().astype(np.float64),
-                   st.v.numpy().astype(np.float64) if st.sparse else None)
+    return {name: (st.sparse, np.asarray(st.u, np.float64),
+                   np.asarray(st.v, np.float64) if st.sparse else None)
             for name, st in dgc.states.items()}
 
 

@@ -82,11 +82,12 @@ def states_info(dgc):
 
 def scenario_identical(results):
     out = {}
-    for mode in ("eager", "function"):
-        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
+    for mode in ("eager", "function", "function_tf_ops"):     # tf_ops: the GPU backend, here
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024,
+                  device="gpu" if mode.endswith("tf_ops") else None)
         model = make_model()
         before = flat(model).numpy()
-        train_tape(model, dgc, function=(mode == "function"))
+        train_tape(model, dgc, function=mode.startswith("function"))
         out[mode] = dict(identical=identical(model),
                          changed=bool((flat(model).numpy() != before).any()),
                          steps=dgc.total_stats.steps, **states_info(dgc))
@@ -98,7 +99,9 @@ def scenario_equivalence(results):
     cases = {"momentum_correction": (dict(momentum_masking=False), dict(momentum=0.9)),
              "nesterov": (dict(momentum_masking=False, nesterov=True),
                           dict(momentum=0.9, nesterov=True)),
-             "masking_equals_plain_sgd": (dict(momentum_masking=True), dict(momentum=0.0))}
+             "masking_equals_plain_sgd": (dict(momentum_masking=True), dict(momentum=0.0)),
+             "momentum_correction_tf_ops": (dict(momentum_masking=False, device="gpu"),
+                                            dict(momentum=0.9))}
     for name, (dgc_kw, sgd_kw) in cases.items():
         dgc = DGC(compress_ratio=1.0, momentum=0.9, warmup_epochs=0, min_sparse_numel=1,
                   min_sparse_ndim=1, **dgc_kw)
