@@ -66,3 +66,22 @@ def test_ddp_peers_beside_dgc(tmp_path):
     assert "DGC against PowerSGD (step time of PowerSGD / step time of DGC): powersgd1" in proc.stdout
     for name in ("ddp-powersgd1", "ddp-powersgd4", "dgc"):
         assert f"<stdout>:{name:>13} | " in proc.stdout
+
+
+@pytest.mark.horovodrun
+def test_tf_mnist_wall_runs_each_variant():
+    """benchmarks/tf_mnist_wall.py launches the TensorFlow example once per variant (dense, DGC,
+    DGC on eager TF ops through its patched default device) and reads each run's result: one
+    epoch each, every one must train (the ratio itself is measured in docs/performance.md)."""
+    import re
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "benchmarks/tf_mnist_wall.py", "--epochs", "1",
+                           "--tf-ops"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    accs = dict(re.findall(r"round 1 +(\S+): wall +[\d.]+ s, final test accuracy ([\d.]+)%",
+                           proc.stdout))
+    assert set(accs) == {"none", "dgc", "dgc-tf-ops"}, proc.stdout
+    assert all(float(a) > 50.0 for a in accs.values()), accs
+    assert re.search(r"dgc-tf-ops: median wall +[\d.]+ s, [\d.]+x none", proc.stdout)
