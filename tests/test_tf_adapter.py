@@ -84,3 +84,10 @@ def test_host_view_is_read_only_and_results_are_copied():
     held = tf.py_function(lambda: out, [], tf.float32)
     dgc._core.compress("b", dgc._host(g), 2)            # u <- 0.9 u + g changes the state
     assert np.array_equal(held.numpy(), np.arange(6)) and np.array_equal(g.numpy(), np.arange(6))
+
+
+def test_jit_compile_is_refused_with_the_fix():
+    """XLA cannot compile tf.py_function: DGC says so at trace time, naming jit_compile."""
+    fn = tf.function(lambda: DGC().compress(tf.zeros([3])), jit_compile=True)
+    with pytest.raises(RuntimeError, match=r"jit_compile=True.*Drop jit_compile"):
+        fn()

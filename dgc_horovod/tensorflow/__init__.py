@@ -45,7 +45,7 @@ from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.tensorflow.keras import (DGCTensorBoardCallback, DGCWarmupCallback, momentum_of,
                                           refuse_loss_scaler, warn_if_keras3)
 from dgc_horovod.tensorflow.clipping import StepClipScale
-from dgc_horovod.tensorflow.host import Host, make_backend
+from dgc_horovod.tensorflow.host import Host, check_traced, make_backend
 from dgc_horovod.tensorflow.variables import (ComparedModels, StateNames, collective_name,
                                               find_variable)
 
@@ -56,24 +56,22 @@ class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod TensorFlow compressor (Lin et al., ICLR 2018).
 
     Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig`, or ``config=DGCConfig``;
-    ``device`` ("cpu", "gpu", default None: "gpu" when TensorFlow sees one) picks where the
-    per-step work runs (:func:`dgc_horovod.tensorflow.host.make_backend`).
-    Use one DGC object per optimizer / tape, created identically on every rank, with an optimizer
-    without momentum when DGC's momentum > 0 (DGC applies momentum correction itself).
+    ``device`` ("cpu", "gpu"; None: "gpu" if TensorFlow sees one) picks where the per-step work
+    runs (:func:`~dgc_horovod.tensorflow.host.make_backend`). Use one DGC per optimizer / tape,
+    created identically on every rank, with an optimizer without momentum when DGC's momentum
+    > 0 (DGC applies momentum correction itself).
 
     Attributes: config, stats (last step's CompressionStats of this rank), total_stats, density,
-    states (per-variable TensorState, keyed by variable name), resets (how many times the elastic
-    reset rule was applied on this rank, :meth:`on_reset`).
+    states (TensorState by variable name), resets (elastic resets applied, :meth:`on_reset`).
 
-    Horovod Elastic: ``dgc_horovod.tensorflow.elastic.TensorFlowKerasState(model, opt, dgc=dgc,
-    ...)`` (or ``TensorFlowState``, ``KerasState``) commits and restores this object with the model.
-    It cannot be pickled or copied (TypeError).
+    Horovod Elastic: ``dgc_horovod.tensorflow.elastic.TensorFlowKerasState(model, opt, dgc=dgc)``
+    (or ``TensorFlowState``, ``KerasState``) carries it; it cannot be pickled or copied.
 
     Raises (while Horovod traces its reduction): RuntimeError when used outside
-    DistributedGradientTape / DistributedOptimizer or with op=Adasum; TypeError for a
-    non-floating gradient; ValueError when the ranks reduce different variables (names,
-    shapes, dtypes or order; checked once per variable list with one pair of allgathers, the
-    message names the first difference).
+    DistributedGradientTape / DistributedOptimizer, with op=Adasum or under jit_compile=True;
+    TypeError for a non-floating gradient; ValueError when the ranks reduce different variables
+    (names, shapes, dtypes or order; checked once per variable list, the message names the first
+    difference).
     """
 
     _hvd = hvd
@@ -92,13 +90,12 @@ class DGC(DGCAdapter, Compressor):
     @tf.autograph.experimental.do_not_convert
     def compress(self, tensor):
         """Trace-time: place DGC's ops for ``tensor`` in the graph; return (to allreduce, ctx)."""
-        if not tensor.dtype.is_floating:
-            raise TypeError(f"DGC: gradients must be floating-point tensors, got {tensor.dtype}")
+        check_traced(tensor)
         var, op, process_set, owner, reduced = find_variable(tensor)
         self._check_momentum(var.name, owner, momentum_of(owner))
         if op is not None and op not in (hvd.Average, hvd.Sum):
             raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
-        process_set = process_set if process_set is not None else hvd.global_process_set
+        process_set = hvd.global_process_set if process_set is None else process_set
         if process_set.size() > 1:
             self._models.check(*reduced, process_set)
         else:
@@ -106,8 +103,7 @@ class DGC(DGCAdapter, Compressor):
         name = self._names.of(var)
         numel = tensor.shape.num_elements()
         if numel is None:
-            raise ValueError(f"DGC needs a static shape for the gradient of {name!r}, got "
-                             f"{tensor.shape}")
+            raise ValueError(f"DGC needs a static shape for {name!r}'s gradient: {tensor.shape}")
         core, pending, host, variables = self._core, self._pending, self._host, reduced[1]
         sparse = is_sparse(numel, len(tensor.shape), self.config)
         average = op is None or op == hvd.Average

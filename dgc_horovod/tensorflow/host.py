@@ -21,7 +21,7 @@ import tensorflow as tf
 from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.core.backend import NumpyBackend
 
-__all__ = ["make_backend", "Host"]
+__all__ = ["make_backend", "Host", "check_traced"]
 
 
 def make_backend(device=None):
@@ -34,6 +34,26 @@ def make_backend(device=None):
     if device not in ("cpu", "gpu"):
         raise ValueError(f"DGC: device must be 'cpu', 'gpu' or None, got {device!r}")
     return NumpyBackend() if device == "cpu" else TFBackend()
+
+
+def check_traced(tensor):
+    """The checks of a gradient handed to ``DGC.compress`` that need nothing else: a TypeError
+    for a non-floating gradient; a RuntimeError that says what to change when the reduction is
+    traced for XLA (``tf.function(jit_compile=True)``): DGC's per-step work runs in
+    ``tf.py_function`` ops, which XLA cannot compile (TensorFlow's own error names neither DGC
+    nor the fix)."""
+    if not tensor.dtype.is_floating:
+        raise TypeError(f"DGC: gradients must be floating-point tensors, got {tensor.dtype}")
+    try:
+        from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+    except ImportError:         # a TensorFlow without this helper: its own error remains
+        return
+    if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise RuntimeError(
+            "DGC cannot run under tf.function(jit_compile=True): its per-step work runs in "
+            "tf.py_function ops, which XLA cannot compile. Drop jit_compile=True from the "
+            "function that calls the DistributedGradientTape's gradient() (or Keras' "
+            "model.compile(jit_compile=...))")
 
 
 class Host:
