@@ -200,6 +200,19 @@ class TorchBackend(Backend):
     def take_blocks(self, x, blocks, block):
         return x.view(-1, block).index_select(0, blocks).view(-1)
 
+    def block_candidates(self, x, blocks, t, block):
+        if not (x.is_cpu and not x.requires_grad):
+            return super().block_candidates(x, blocks, t, block)
+        # NumPy on CPU: the blocks gathered, |x| in place, one comparison with each block's
+        # threshold broadcast over it (no repeated thresholds), flatnonzero (see
+        # indices_where_ge)
+        blocks = blocks.numpy()
+        mag = np.take(x.numpy().reshape(-1, block), blocks, axis=0)
+        np.abs(mag, out=mag)
+        at = np.flatnonzero(np.greater_equal(mag, t.numpy()[:, None]))
+        pos = blocks[at // block] * block + at % block
+        return torch.from_numpy(pos), torch.from_numpy(mag.reshape(-1)[at])
+
     def block_max_abs(self, x, block):
         x = x.view(-1, block)                # amax and amin: ~4x faster than aminmax on CPU
         return torch.maximum(x.amax(1), x.amin(1).neg_())    # NaN propagates
