@@ -17,14 +17,19 @@
 2. Selection quality: the L1 mass captured by the sampled selection (DGCCore.compress, fused path)
    against the exact top-k of the same count, on Gaussian, Laplace, Student-t (3 dof) and
    tie-heavy gradients.
-3. Scale: cost per element of compress (fused path) for tensors of 1e4 … 1e8 elements, in
+3. Stages (--parts stages): where the tensor-op path's time goes on ResNet-50's buckets, one
+   thread: the CPU time (time.thread_time, so that other processes on a shared machine count
+   less) of every Backend call that compress_many makes on tensor ops, by method and the line
+   that calls it, in memory passes (each against the median of one memory pass timed the same
+   way; the rest, Python and the calls not listed, on the last line).
+4. Scale: cost per element of compress (fused path) for tensors of 1e4 … 1e8 elements, in
    buckets as the adapter makes them (ceil(2**22 / n) tensors of n elements per compress_many
    call, one tensor from 2**22 up) and with one compress() call per tensor, timed in interleaved
    rounds as in 1; for buckets of several tensors, how much of a call is spent in the C kernels
    and how much per tensor outside them.
 
     python benchmarks/compress_cost.py [--repeats 9] [--max-elements 1e8] [--min-sparse-ndim 1]
-                                       [--parts calls,resnet,recall,scaling]
+                                       [--parts calls,resnet,recall,scaling,stages]
 """
 import argparse
 import math
@@ -225,6 +230,76 @@ def calls_per_bucket(density, min_sparse_ndim=1, steps=3):
     return out
 
 
+class StageClock:
+    """Stands in for a Backend and adds up the CPU time of its outermost calls (a method that
+    calls another counts once) by (method, file:line of the caller)."""
+
+    def __init__(self, B):
+        self.B, self.seconds, self.calls, self._depth = B, {}, {}, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.B, name)
+        if not callable(attr) or name in CountingBackend.METADATA:
+            return attr
+
+        def timed(*args, **kwargs):
+            if self._depth:
+                return attr(*args, **kwargs)
+            f = sys._getframe(1)
+            key = (name, f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}")
+            self._depth += 1
+            t0 = time.thread_time()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.thread_time() - t0
+                self.calls[key] = self.calls.get(key, 0) + 1
+        return timed
+
+
+def stages(density, repeats, min_sparse_ndim=1, top=20):
+    """The CPU time of the tensor-op path's Backend calls per step on ResNet-50's buckets, one
+    thread, in memory passes (see the module docstring)."""
+    torch.set_num_threads(1)
+    shapes = resnet50()
+    grads = [torch.randn(s) for _, s in shapes]
+    other = [torch.randn(g.shape) for g in grads]
+    clock = StageClock(TorchBackend())
+    core = new_core(density, False, clock, min_sparse_ndim)
+    buckets, _ = adapter_buckets([(name, g, None) for (name, _), g in zip(shapes, grads)],
+                                 core.config)
+    steps, passes = [], []
+    for r in range(repeats + 1):
+        t0 = time.thread_time()
+        for a, b in zip(other, grads):
+            a.add_(b)
+        t1 = time.thread_time()
+        if r == 1:                       # the first step builds the state: not counted
+            clock.seconds.clear()
+            clock.calls.clear()
+        for bucket in buckets:
+            core.compress_many(bucket, world_size=8)
+        if r:
+            passes.append(t1 - t0)
+            steps.append(time.thread_time() - t1)
+    one = statistics.median(passes)
+    step = statistics.median(steps)
+    print(f"Stages of the tensor-op path (compress_many, use_kernels = False) on ResNet-50's "
+          f"{len(buckets)} buckets ({sum(map(len, buckets))} sparsified tensors), 1 thread, "
+          f"CPU time per step, median of {repeats} steps; one memory pass {1e3 * one:.1f} ms, "
+          f"a step {1e3 * step:.1f} ms = {step / one:.2f} passes; load average "
+          f"{os.getloadavg()[0]:.2f}")
+    rows = sorted(clock.seconds.items(), key=lambda kv: -kv[1])
+    for (name, where), sec in rows[:top]:
+        sec /= repeats
+        print(f"  {1e3 * sec:7.2f} ms  {sec / one:5.2f} passes  {name:<22} {where:<22} "
+              f"({clock.calls[name, where] / repeats:.0f} calls)")
+    rest = step - sum(sec for _, sec in rows[:top]) / repeats
+    print(f"  {1e3 * rest:7.2f} ms  {rest / one:5.2f} passes  the rest (Python, the other "
+          f"{max(0, len(rows) - top)} call sites)")
+
+
 def make_dist(kind, n, rng):
     if kind == "gaussian":
         return rng.standard_normal(n)
@@ -366,6 +441,8 @@ def main():
     if "resnet" in parts:
         for threads in sorted({1, default_threads}):
             resnet_cost(args.repeats, args.density, threads, args.min_sparse_ndim)
+    if "stages" in parts:
+        stages(args.density, args.repeats, args.min_sparse_ndim)
     torch.set_num_threads(default_threads)
     if "recall" in parts:
         recall(density=args.density)

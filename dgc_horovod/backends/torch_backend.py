@@ -58,18 +58,13 @@ class TorchBackend(Backend):
         return x[u.mul_(n).long().clamp_(max=n - 1).to(x.device)]
 
     def indices_where_ge(self, x, t):
-        n = x.numel()
-        if not x.is_cpu or n < 4096:
-            return torch.nonzero(torch.ge(x, t, out=self._scratch(x, torch.bool, 1))).view(-1)
-        # torch.nonzero costs ~15 ns per element on CPU: find the 8-byte words of the mask that
-        # hold a hit first (an eighth of the elements), then the hits in those words
-        m = -(-n // 8) * 8
-        hits = self._scratch(x, torch.bool, 1, m)
-        hits[n:] = False
-        torch.ge(x, t, out=hits[:n])
-        words = torch.nonzero(hits.view(torch.int64)).view(-1)
-        at = torch.nonzero(hits.view(-1, 8).index_select(0, words))
-        return words.index_select(0, at[:, 0]).mul_(8).add_(at[:, 1])
+        if x.is_cpu and not x.requires_grad:
+            # NumPy's comparison and flatnonzero: ~3x faster than torch.ge + torch.nonzero on
+            # CPU (which costs ~15 ns per element); the same float32 comparison
+            hits = self._scratch(x, torch.bool, 1).numpy()
+            t = t.numpy() if isinstance(t, torch.Tensor) else t
+            return torch.from_numpy(np.flatnonzero(np.greater_equal(x.numpy(), t, out=hits)))
+        return torch.nonzero(torch.ge(x, t, out=self._scratch(x, torch.bool, 1))).view(-1)
 
     def _scratch(self, like, dtype, slot, n=None):
         n = like.numel() if n is None else n
@@ -205,6 +200,19 @@ class TorchBackend(Backend):
     def take_blocks(self, x, blocks, block):
         return x.view(-1, block).index_select(0, blocks).view(-1)
 
+    def block_candidates(self, x, blocks, t, block):
+        if not (x.is_cpu and not x.requires_grad):
+            return super().block_candidates(x, blocks, t, block)
+        # NumPy on CPU: the blocks gathered, |x| in place, one comparison with each block's
+        # threshold broadcast over it (no repeated thresholds), flatnonzero (see
+        # indices_where_ge)
+        blocks = blocks.numpy()
+        mag = np.take(x.numpy().reshape(-1, block), blocks, axis=0)
+        np.abs(mag, out=mag)
+        at = np.flatnonzero(np.greater_equal(mag, t.numpy()[:, None]))
+        pos = blocks[at // block] * block + at % block
+        return torch.from_numpy(pos), torch.from_numpy(mag.reshape(-1)[at])
+
     def block_max_abs(self, x, block):
         x = x.view(-1, block)                # amax and amin: ~4x faster than aminmax on CPU
         return torch.maximum(x.amax(1), x.amin(1).neg_())    # NaN propagates
@@ -214,15 +222,23 @@ class TorchBackend(Backend):
     def to_int64(self, x): return x.to(torch.int64)
 
     def repeat(self, x, counts):
-        # one copy of stride-0 views: repeat_interleave builds an int64 index of the output's
-        # size first (~25 ns per element on CPU)
-        return torch.cat([v.expand(c) for v, c in zip(x.unbind(0), counts)])
+        if x.is_cpu and not x.requires_grad:        # NumPy's repeat: 10-20x faster on CPU
+            return torch.from_numpy(np.repeat(x.numpy(), counts))
+        # one kernel (the output's size given: no device-to-host sync)
+        return torch.repeat_interleave(x, torch.tensor(counts, dtype=torch.int64,
+                                                       device=x.device), output_size=sum(counts))
 
     def repeat_each(self, x, n): return x.unsqueeze(1).expand(-1, n).reshape(-1)
     def searchsorted(self, a, x): return torch.searchsorted(a, x)
 
     def sample_positions_many(self, u, sizes, counts, offsets, like):
         # as sample(): floor(u * n) in float64, at most n - 1, per tensor, plus its offset
+        if like.is_cpu:                             # NumPy's repeat (see repeat())
+            n = np.repeat(np.asarray(sizes, dtype=np.float64), counts)
+            pos = np.multiply(u.numpy(), n).astype(np.int64)
+            np.minimum(pos, n.astype(np.int64) - 1, out=pos)
+            pos += np.repeat(np.asarray(offsets, dtype=np.int64), counts)
+            return torch.from_numpy(pos)
         counts = torch.tensor(counts, dtype=torch.int64)
         n = torch.repeat_interleave(torch.tensor(sizes, dtype=torch.float64), counts)
         pos = torch.minimum((u * n).long(), n.long() - 1)

@@ -140,6 +140,13 @@ class Backend:
     def take_blocks(self, x, blocks, block): raise NotImplementedError  # the blocks (int64
                                                          # indices) of block elements of x, one
                                                          # after the other (flat)
+    def block_candidates(self, x, blocks, t, block):    # (positions, magnitudes): the
+        mag = self.abs(self.take_blocks(x, blocks, block))  # positions p of x, ascending, in
+        at = self.indices_where_ge(mag, self.repeat_each(t, block))  # the blocks (ascending
+        return (self.take(blocks, at // block) * block + at % block,  # int64 indices) of
+                self.take(mag, at))                      # block elements with |x[p]| >= t[i]
+                                                         # (t: float32, one per block), and
+                                                         # those |x[p]| (NaN: never)
     def copy_(self, x, y): raise NotImplementedError     # x[:] = y (same numel)
     def arange(self, n, like): raise NotImplementedError  # int64 0 .. n-1
     def to_int64(self, x): raise NotImplementedError     # integer tensor -> int64

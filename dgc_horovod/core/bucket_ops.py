@@ -133,8 +133,8 @@ def sampled_thresholds(B, v, offsets, sizes, samples, ranks, generator):
         return [NAN_BITS] * len(sizes), [NAN_BITS] * len(sizes)
     u = B.sample_uniform_many(drawn, generator, v)
     picked = B.abs(B.take(v, B.sample_positions_many(u, sizes, samples, offsets[:-1], v)))
-    segment = B.repeat(B.arange(len(sizes), like=v), samples)
-    keys = B.sort(segment * _SEG + B.to_int64(B.float32_bits(picked)))
+    segment = B.repeat(B.int64_tensor([j * _SEG for j in range(len(sizes))], like=v), samples)
+    keys = B.sort(segment + B.to_int64(B.float32_bits(picked)))
     at = []
     for a, s, ks in zip(accumulate(samples, initial=0), samples, ranks):
         if s:
@@ -169,16 +169,13 @@ def candidates(B, v, bmax, offsets, thresholds):
     > 0; NaN selects nothing), their magnitudes, and their count per segment. As the C kernels
     do: bmax, the maximum |v| of every block of :data:`BLOCK` elements (+inf for a block with a
     NaN, :meth:`Backend.block_max_abs`), is compared with its segment's threshold, and only the
-    blocks that reach it are read again, element by element."""
+    blocks that reach it are read again, element by element (:meth:`Backend.block_candidates`)."""
     blocks = [(b - a) // BLOCK for a, b in zip(offsets, offsets[1:])]
     thr = B.bits_float32(B.int32_tensor(thresholds, like=v))
     hit = B.indices_where_ge(bmax, B.repeat(thr, blocks))
     seg = B.searchsorted(B.int64_tensor([a // BLOCK for a in offsets[1:]], like=v),
                          hit + 1)                       # the segment of each block hit
-    mag = B.abs(B.take_blocks(v, hit, BLOCK))
-    at = B.indices_where_ge(mag, B.repeat_each(B.take(thr, seg), BLOCK))
-    mag = B.take(mag, at)
-    pos = B.take(hit, at // BLOCK) * BLOCK + at % BLOCK
+    pos, mag = B.block_candidates(v, hit, B.take(thr, seg), BLOCK)
     n = B.to_list(B.searchsorted(pos, B.int64_tensor(offsets, like=v)))
     return pos, mag, [b - a for a, b in zip(n, n[1:])]
 
@@ -188,8 +185,8 @@ def _kth(B, cmag, counts, segs, k, cut):
     segments segs (one sort of the keys segment · 2**32 + magnitude bits)."""
     if not segs:
         return
-    keys = B.sort(B.repeat(B.arange(len(counts), like=cmag), counts) * _SEG
-                  + B.to_int64(B.float32_bits(cmag)))
+    keys = B.sort(B.repeat(B.int64_tensor([j * _SEG for j in range(len(counts))], like=cmag),
+                           counts) + B.to_int64(B.float32_bits(cmag)))
     ends = list(accumulate(counts))
     at = B.int64_tensor([ends[j] - k[j] for j in segs], like=cmag)
     for j, key in zip(segs, B.to_list(B.take(keys, at))):
@@ -244,10 +241,12 @@ def select(B, v, offsets, sizes, k, samples, thresholds, lower):
     for j in live:
         first[j] = max(thresholds[j], 1) if samples[j] else 1
     bmax = B.block_max_abs(v, BLOCK)
-    finite = bmax == bmax
-    nans = _segment_counts(B, ~finite, [(b - a) // BLOCK for a, b in zip(offsets, offsets[1:])],
-                           v)                          # blocks holding a NaN, per segment
-    bmax = B.where(finite, bmax, float("inf"))
+    nans = [0] * T                                      # blocks holding a NaN, per segment
+    if not B.all_finite(bmax):                          # (one reduction: NaN is rare)
+        finite = bmax == bmax
+        nans = _segment_counts(B, ~finite,
+                               [(b - a) // BLOCK for a, b in zip(offsets, offsets[1:])], v)
+        bmax = B.where(finite, bmax, float("inf"))
     cand, cmag, counts = candidates(B, v, bmax, offsets, first)
     topk, keep, again = [], [], []
     for j in live:
