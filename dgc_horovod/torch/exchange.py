@@ -42,6 +42,9 @@ bucket plan, the same compress calls and the same gated mode:
 3. every rank decodes the owners' payloads of a tensor (``DGCCore.decompress`` with the
    ``dropped`` sums of the region it owns), bit-identical everywhere.
 
+Waiting: every result of DGC's own collectives is waited for by :func:`_wait`, which polls
+and sleeps (:data:`WAIT_SLEEP`) instead of spinning in ``hvd.synchronize``.
+
 Statistics: ``wire_bytes`` counts what this rank sent to the other ranks in the alltoall plus its
 allgather input (instead of its whole payload), ``received_bytes`` the alltoall's output but this
 rank's own part plus the allgather's output but its own input (and Horovod's allreduce, as
