@@ -42,12 +42,17 @@ bucket plan, the same compress calls and the same gated mode:
 3. every rank decodes the owners' payloads of a tensor (``DGCCore.decompress`` with the
    ``dropped`` sums of the region it owns), bit-identical everywhere.
 
+Waiting: every result of DGC's own collectives is waited for by :func:`_wait`, which polls
+and sleeps (:data:`WAIT_SLEEP`) instead of spinning in ``hvd.synchronize``.
+
 Statistics: ``wire_bytes`` counts what this rank sent to the other ranks in the alltoall plus its
 allgather input (instead of its whole payload), ``received_bytes`` the alltoall's output but this
 rank's own part plus the allgather's output but its own input (and Horovod's allreduce, as
 always).
 """
+import os
 import threading
+import time
 
 import horovod.torch as hvd
 import torch
@@ -57,6 +62,28 @@ from dgc_horovod.core import PLACEHOLDER_BYTES, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
 
 __all__ = ["Exchange", "Pending"]
+
+#: Seconds DGC sleeps between polls of one of its own collectives that is still in flight
+#: (``DGC_WAIT_SLEEP=<seconds>`` in the environment, read at import; 0: wait in Horovod's
+#: ``hvd.synchronize`` from the start, as before 2026-12-03).
+WAIT_SLEEP = float(os.environ.get("DGC_WAIT_SLEEP", "0.0002"))
+
+
+def _wait(handle):
+    """``hvd.synchronize(handle)``, but while the collective is in flight poll it and sleep
+    :data:`WAIT_SLEEP` seconds between polls: Horovod 0.28's wait loops on
+    ``std::this_thread::yield()``, so a rank that waits keeps a CPU busy that the other ranks
+    (and Horovod's background thread, which does the work) may need. The result, and any error,
+    still come from ``hvd.synchronize`` (a poll that raises, e.g. on a handle a reset cleared,
+    leaves it to synchronize to raise Horovod's error)."""
+    if WAIT_SLEEP > 0:
+        poll, sleep = hvd.poll, time.sleep
+        try:
+            while not poll(handle):
+                sleep(WAIT_SLEEP)
+        except Exception:
+            pass
+    return hvd.synchronize(handle)
 
 
 class Pending:
@@ -281,7 +308,7 @@ class Exchange:
         core, B = self._core, self._core.B
         ps = flight.process_set
         world, me = ps.size(), ps.rank()
-        out, received = hvd.synchronize(flight.scatter)
+        out, received = _wait(flight.scatter)
         flight.scatter = None
         received = received.tolist()
         core.add_wire_bytes(0, received=4 * (B.numel(out) - received[me]))
@@ -319,7 +346,7 @@ class Exchange:
                 raise flight.error
         B = self._core.B
         if flight.parts is None:
-            gathered = hvd.synchronize(flight.share)
+            gathered = _wait(flight.share)
             self._core.count_allgather(gathered.numel(), flight.words)
             flight.parts = self._core.split_bucket(gathered, flight.process_set.size(),
                                                    len(flight.names), flight.name)
@@ -451,7 +478,7 @@ class Exchange:
             _, handle, words = ticket
             with self._lock:
                 self._outstanding -= 1
-            gathered = hvd.synchronize(handle)
+            gathered = _wait(handle)
             self._core.count_allgather(gathered.numel(), words)
             return gathered, world_size, None
         if ticket[0] == "regions":                          # per-tensor region exchange
@@ -464,7 +491,7 @@ class Exchange:
                 self._outstanding -= 1
                 if not gate.launched:
                     self._launch_step()
-            return hvd.synchronize(pending.core_ctx), world_size, None
+            return _wait(pending.core_ctx), world_size, None
         bucket, member, launch, process_set = ticket
         with self._lock:
             self._outstanding -= 1
@@ -478,7 +505,7 @@ class Exchange:
             if self.regions:
                 return self._regions_result(launch.handle, member)
             if launch.parts is None:
-                gathered = hvd.synchronize(launch.handle)
+                gathered = _wait(launch.handle)
                 self._core.count_allgather(gathered.numel(), launch.words)
                 launch.parts = self._core.split_bucket(gathered, world_size,
                                                        len(bucket.members), bucket.name)
