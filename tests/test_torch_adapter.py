@@ -85,3 +85,16 @@ def test_uncalled_factory_or_class_shows_the_right_line(uncalled, right_line):
     assert isinstance(made, DGC) and made.config.compress_ratio == 0.01
     with pytest.raises(RuntimeError, match="DistributedOptimizer"):
         DGC.compress(made, torch.zeros(3))                 # an explicit instance still works
+
+
+@pytest.mark.parametrize("text, value", [(None, 0.0002), ("0", 0.0), ("0.001", 0.001)])
+def test_wait_sleep_reads_the_environment(text, value):
+    from dgc_horovod.torch.exchange import wait_sleep
+    assert wait_sleep({} if text is None else {"DGC_WAIT_SLEEP": text}) == value
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "fast", ""])
+def test_bad_wait_sleep_names_the_variable(text):
+    from dgc_horovod.torch.exchange import wait_sleep
+    with pytest.raises(ValueError, match="DGC_WAIT_SLEEP"):
+        wait_sleep({"DGC_WAIT_SLEEP": text})

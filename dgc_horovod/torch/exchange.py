@@ -66,7 +66,21 @@ __all__ = ["Exchange", "Pending"]
 #: Seconds DGC sleeps between polls of one of its own collectives that is still in flight
 #: (``DGC_WAIT_SLEEP=<seconds>`` in the environment, read at import; 0: wait in Horovod's
 #: ``hvd.synchronize`` from the start, as before 2026-12-03).
-WAIT_SLEEP = float(os.environ.get("DGC_WAIT_SLEEP", "0.0002"))
+def wait_sleep(environ=os.environ):
+    """:data:`WAIT_SLEEP` from ``DGC_WAIT_SLEEP`` in ``environ`` (default 0.0002 s); a ValueError
+    that names the variable for anything but a finite number of seconds >= 0."""
+    text = environ.get("DGC_WAIT_SLEEP", "0.0002")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"DGC_WAIT_SLEEP must be a number of seconds >= 0 (0: wait in "
+                         f"hvd.synchronize), got {text!r}")
+    return value
+
+
+WAIT_SLEEP = wait_sleep()
 
 
 def _wait(handle):
