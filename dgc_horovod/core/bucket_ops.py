@@ -1,7 +1,7 @@
 """The compress steps over a bucket, on tensor ops: O(1) backend calls per bucket, not per tensor.
 
 The tensor-op twin of the batch kernel (:class:`~dgc_horovod.core.kernels.Batch`, which runs on
-host memory): CUDA tensors, TensorFlow and ``DGCCore.use_kernels = False`` run it from
+host memory): CUDA and TensorFlow tensors and ``DGCCore.use_kernels = False`` run it from
 :meth:`DGCCore.compress_many <dgc_horovod.core.compressor.DGCCore.compress_many>`. A bucket is the
 unit: the u and v of its sparsified tensors live in one flat float32 buffer each
 (:class:`FlatState`; each tensor's u and v are views of a segment of them, segments aligned to

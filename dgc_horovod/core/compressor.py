@@ -27,8 +27,9 @@ checkpoints) unless ``warmup_epochs`` makes it follow ``set_epoch``.
 On CPU tensors (NumPy, or torch in host memory) the sparse branch of compress runs as two calls
 of the fused C kernels of :mod:`dgc_horovod.core.kernels` (one memory pass for the accumulation,
 the selection and encoding on the few candidates) instead of ~40 tensor ops; CUDA tensors,
-TensorFlow, or ``DGCCore.use_kernels = False`` use the tensor ops of :mod:`accumulate`,
-:mod:`sparsify` and :mod:`wire`. Both paths give bit-identical results.
+TensorFlow tensors (the TF adapter where TensorFlow sees a GPU), or ``use_kernels = False`` use
+the tensor ops of :mod:`accumulate`, :mod:`sparsify` and :mod:`wire`. Both paths give
+bit-identical results.
 :meth:`DGCCore.compress_many` (the bucket driver, :mod:`driver`) compresses a bucket of tensors
 in one batch-kernel call (same results as one compress per tensor, with far less per-tensor
 overhead, spread over threads), or, on tensor ops, with :mod:`bucket_ops`: the same steps over
@@ -410,7 +411,7 @@ class DGCCore:
         finiteness check and one more does the accumulation, selection and encoding, spread over
         the backend's threads (:class:`kernels.Batch`). Tensors the fused path does not cover
         (dense, CUDA, float16 wire values, non-finite, ...) run as in :meth:`compress`. On
-        tensor ops (``use_kernels = False``, CUDA tensors, TensorFlow) the sparsified tensors of
+        tensor ops (``use_kernels = False``, CUDA or TensorFlow tensors) the sparsified tensors of
         a bucket with the default wire format (delta16 indices, float32 values) run as one
         bucket (:mod:`~dgc_horovod.core.bucket_ops`: O(1) backend calls whatever the number of
         tensors); other wire formats run one :meth:`compress` per tensor.

@@ -5,7 +5,7 @@ of its decode.
 for a sparsified tensor when the compiled extension ``dgc_horovod.core._kernels`` (``_kernels.c``, built by
 ``pip install``) is present and the backend hands out raw pointers for the tensors
 (:meth:`Backend.kernel_ptr`: CPU, contiguous; the state and the float32 view of the gradient
-always are on CPU). Otherwise — CUDA tensors, TensorFlow, extension not built, or
+always are on CPU). Otherwise — CUDA or TensorFlow tensors, extension not built, or
 ``DGC_KERNELS=0`` in the environment — the tensor-op path of :mod:`accumulate` and
 :mod:`sparsify` runs. Both paths give bit-identical state, selections and payloads for the same
 inputs and seed: the kernel repeats the backend's float32 arithmetic (with or without fused
