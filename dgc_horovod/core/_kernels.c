@@ -27,7 +27,7 @@
  *          is unique (no tie at the k-th largest), or all candidates when k/2 <= count <= k;
  *          selected = how many were written, -1 when the caller must select (ties, too few,
  *          threshold 0).
- *       Large tensors are split over up to `threads` threads (one per 2**19 elements).
+ *       Large tensors are split over up to `threads` threads (one per 65,536 elements).
  *   finish(idx, c, v, u, mask_u, sort, vals, usent, payload, cap_words, numel, flags) -> words
  *       optionally sorts idx[c] (int64, unique) ascending in place, gathers vals = v[idx] and
  *       usent = u[idx] (usent may be 0), clears v[idx] (and u[idx] with mask_u), and writes the

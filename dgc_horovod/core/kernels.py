@@ -190,7 +190,7 @@ def usable_plan(B, st, g, config, density, enabled=True):
 def all_finite(n, gp, threads=1):
     """True if the float32 tensor of n elements at address gp has no NaN or Inf (exact).
 
-    Large tensors are split over up to ``threads`` threads (one per 2**19 elements)."""
+    Large tensors are split over up to ``threads`` threads (one per 65,536 elements)."""
     return _kernels.all_finite(gp, n, threads)
 
 
