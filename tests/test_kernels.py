@@ -390,18 +390,28 @@ def test_batch_kernel_rejects_bad_rows_without_touching_state():
     with pytest.raises(ValueError, match="bad batch row"):
         run()
     assert not v.any()
-    d = array("q", [g.ctypes.data, -1, 0])
-    with pytest.raises(ValueError, match="bad batch row"):
-        kernels._kernels.finite_many(d.buffer_info()[0], 1, 2)
 
 
 @needs_kernels
-def test_finite_many_is_exact_per_tensor():
-    xs = [np.ones(n, F32) for n in (1, 70_000, 200_000, 3)]
-    xs[1][69_999] = np.inf
-    xs[2][123_456] = np.nan
-    got = kernels.finite_many([(x.ctypes.data, x.size) for x in xs], 2)
-    assert got == [True, False, False, True]
+def test_all_finite_is_exact_in_every_threads_chunk():
+    """all_finite splits a tensor over the pool (4 threads for 300,001 elements): a NaN or an Inf
+    at the first or last element of any thread's chunk makes it False, and the largest finite
+    values, -0.0 and subnormals do not."""
+    n, threads = 300_001, 4
+    x = np.ones(n, F32)
+    x[[0, 7, 150_000, n - 1]] = [np.finfo(F32).max, -np.finfo(F32).max, -0.0,
+                                 np.finfo(F32).smallest_subnormal]
+    assert kernels.all_finite(n, x.ctypes.data, threads)
+    edges = sorted({p for t in range(threads) for p in (n * t // threads,
+                                                        n * (t + 1) // threads - 1)})
+    for p in edges:
+        for bad in (np.nan, np.inf, -np.inf):
+            keep = x[p]
+            x[p] = bad
+            assert not kernels.all_finite(n, x.ctypes.data, threads), (p, bad)
+            assert not kernels.all_finite(n, x.ctypes.data, 1), (p, bad)
+            x[p] = keep
+    assert kernels.all_finite(n, x.ctypes.data, threads)
 
 
 @needs_kernels

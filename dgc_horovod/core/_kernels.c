@@ -27,7 +27,7 @@
  *          is unique (no tie at the k-th largest), or all candidates when k/2 <= count <= k;
  *          selected = how many were written, -1 when the caller must select (ties, too few,
  *          threshold 0).
- *       Large tensors are split over up to `threads` threads (one per 2**19 elements).
+ *       Large tensors are split over up to `threads` threads (one per 65,536 elements).
  *   finish(idx, c, v, u, mask_u, sort, vals, usent, payload, cap_words, numel, flags) -> words
  *       optionally sorts idx[c] (int64, unique) ascending in place, gathers vals = v[idx] and
  *       usent = u[idx] (usent may be 0), clears v[idx] (and u[idx] with mask_u), and writes the
@@ -594,8 +594,6 @@ static int finish_impl(i64 *idx, i64 c, float *v, float *u, int mask_u, int sort
 
 /* ---- batches: many tensors in one call (a bucket of the PyTorch adapter)
  *
- * finite_many(desc, count[, threads]): desc is an int64 array of count triples (x, n, ok); sets
- *   ok = 1 when float32 x[n] has no NaN/Inf, else 0. Work is split in chunks over the pool.
  * step_many(desc, fdesc, count[, threads, out, vals, usent, payload, nk, nw, uni, nuni]): desc
  *   is an int64 array of count rows of NF fields (the F_* below), fdesc a float64 array of count
  *   rows (m, s, threshold); out (int64), vals, usent (float32) of nk entries, payload (int32) of
@@ -655,16 +653,6 @@ static i64 make_ranges(range_t *r, i64 t, i64 total, i64 chunk) {
         r[w].t = t; r[w].lo = lo; r[w].hi = lo + chunk < total ? lo + chunk : total; w++;
     }
     return w;
-}
-
-static void finite_task(void *c, i64 k) {
-    batch_t *b = (batch_t *)c;
-    const range_t *r = &b->r[k];
-    i64 *row = b->d + 3 * r->t;
-    job_t j; memset(&j, 0, sizeof j);
-    j.x = (const float *)(uintptr_t)row[0]; j.i0 = r->lo; j.i1 = r->hi;
-    FINITE_FN(&j);
-    if (!j.ok) __atomic_store_n(&row[2], 0, __ATOMIC_RELAXED);
 }
 
 static void select_one(batch_t *b, i64 t);
@@ -949,23 +937,6 @@ out:
     return rc;
 }
 
-static int finite_many_impl(i64 *d, i64 nt, int threads) {
-    batch_t b; memset(&b, 0, sizeof b);
-    b.d = d; b.nt = nt;
-    i64 nranges = 0;
-    for (i64 t = 0; t < nt; t++) {
-        if (d[3 * t + 1] < 0 || !d[3 * t]) return -5;
-        nranges += (d[3 * t + 1] + CHUNK_FINITE - 1) / CHUNK_FINITE;
-        d[3 * t + 2] = 1;
-    }
-    b.r = (range_t *)malloc(sizeof(range_t) * (size_t)(nranges + 1));
-    if (!b.r) return -1;
-    for (i64 t = 0; t < nt; t++) b.nr += make_ranges(b.r + b.nr, t, d[3 * t + 1], CHUNK_FINITE);
-    parallel(finite_task, &b, b.nr, threads);
-    free(b.r);
-    return 0;
-}
-
 /* ---- the receive side: wire.decode_sum in one call (dgc_horovod.core.kernels.decode_sum) ----
  * Every rank's payload in `w` (DGC v2, wire.py), checked as wire.read_payload checks it, then
  * summed in rank order into out[numel]. The call declines (returns 1, out untouched) whenever
@@ -1203,21 +1174,6 @@ static PyObject *py_step_many(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_finite_many(PyObject *self, PyObject *args) {
-    unsigned long long d; long long nt; int threads = 1;
-    if (!PyArg_ParseTuple(args, "KL|i", &d, &nt, &threads)) return NULL;
-    if (nt < 0 || (nt && !d)) {
-        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel finite_many: bad arguments");
-        return NULL;
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = nt ? finite_many_impl((i64 *)(uintptr_t)d, nt, threads) : 0;
-    Py_END_ALLOW_THREADS
-    if (rc) return err(rc);
-    Py_RETURN_NONE;
-}
-
 static PyObject *py_decode_sum(PyObject *self, PyObject *args) {
     unsigned long long w, out; long long total, numel, nranks; int mode; double inv = 1.0;
     if (!PyArg_ParseTuple(args, "KLLLKi|d", &w, &total, &numel, &nranks, &out, &mode, &inv))
@@ -1259,7 +1215,6 @@ static PyMethodDef methods[] = {
     {"finish", py_finish, METH_VARARGS,
      "finish(idx, c, v, u, mask_u, sort, vals, usent, payload, cap_words, numel, flags) -> words"},
     {"step_many", py_step_many, METH_VARARGS, "step_many(desc, fdesc, count[, threads, out, vals, usent, payload, nk, nw, uni, nuni])"},
-    {"finite_many", py_finite_many, METH_VARARGS, "finite_many(desc, count[, threads])"},
     {"decode_sum", py_decode_sum, METH_VARARGS,
      "decode_sum(words, total, numel, ranks, out, mode[, inv]) -> done"},
     {"split_bucket", py_split_bucket, METH_VARARGS,

@@ -52,7 +52,7 @@ except ImportError:          # not built (e.g. a source tree without a C compile
     _kernels = None
 
 __all__ = ["available", "calibrate", "Plan", "usable_plan", "all_finite", "accumulate_select",
-           "select_rest", "finish", "finite_many", "Batch", "decode_sum", "DECODE_ZERO",
+           "select_rest", "finish", "Batch", "decode_sum", "DECODE_ZERO",
            "DECODE_ADD", "DECODE_SCALE", "split_spans", "split_bucket"]
 
 #: Set ``DGC_KERNELS=0`` to force the tensor-op path everywhere (read at import).
@@ -190,7 +190,7 @@ def usable_plan(B, st, g, config, density, enabled=True):
 def all_finite(n, gp, threads=1):
     """True if the float32 tensor of n elements at address gp has no NaN or Inf (exact).
 
-    Large tensors are split over up to ``threads`` threads (one per 2**19 elements)."""
+    Large tensors are split over up to ``threads`` threads (one per 65,536 elements)."""
     return _kernels.all_finite(gp, n, threads)
 
 
@@ -281,18 +281,6 @@ def finish(B, config, st, plan, idx):
                             B.kernel_ptr(vals), 0 if u_sent is None else B.kernel_ptr(u_sent),
                             B.kernel_ptr(payload), cap_words, st.numel, 0)
     return B.slice(payload, 0, words), vals, u_sent
-
-
-def finite_many(tensors, threads=1):
-    """[True if float32 tensor i has no NaN/Inf] for tensors = [(address, numel), ...]: one
-    kernel call, split in chunks of 65,536 elements over up to ``threads`` threads. (compress_many
-    no longer calls it: step_many checks the gradients itself. The tests of the thread pool use
-    it to run regions of many small tasks.)"""
-    desc = array("q")
-    for gp, n in tensors:
-        desc.extend((gp, n, 0))
-    _kernels.finite_many(desc.buffer_info()[0], len(tensors), threads)
-    return [bool(desc[3 * i + 2]) for i in range(len(tensors))]
 
 
 #: mode bits of :func:`decode_sum` (DEC_* in _kernels.c)
