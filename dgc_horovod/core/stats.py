@@ -174,30 +174,31 @@ class StatsRecorder:
         if self._held is not None:
             self._held.append((st, 0, 4 * st.numel, False, seconds, density, (0, 0)))
             return
-        names = self.names
-        if st.name in names:                       # a tensor seen again: a new step has begun
-            names.clear()
-        if not names:
-            self._new_step()
-        names.add(st.name)
+        self._enter(st.name)
         n = st.numel
         self._add_totals(1, 0, n, 0, 4 * n, 0, seconds, density, 4 * n, 0, 0)
 
     def count_rows(self, rows):
         """Add rows (see the class), in order, to the statistics: a tensor seen again in this step
         starts a new step."""
-        names, seg = self.names, []
+        seg = []
         for row in rows:
-            name = row[0].name
-            if name in names:                      # a tensor seen again: a new step has begun
+            if row[0].name in self.names:          # the rows so far belong to the step before
                 self._add_rows(seg)
                 seg = []
-                names.clear()
-            if not names:                          # the first tensor of a step
-                self._new_step()
-            names.add(name)
+            self._enter(row[0].name)
             seg.append(row)
         self._add_rows(seg)
+
+    def _enter(self, name):
+        """The step rule for one more tensor: a tensor seen again in this step has begun a new
+        step; the first tensor of a step starts its statistics."""
+        names = self.names
+        if name in names:
+            names.clear()
+        if not names:
+            self._new_step()
+        names.add(name)
 
     def count_batch(self, sts, counts, words, seconds, density):
         """Statistics of a batch whose rows the kernel all finished, as :meth:`count_rows` counts
