@@ -316,3 +316,20 @@ def test_horovodrun_ranks_follow_the_environment(tmp_path, launcher):
         # int32 indices: 4 + 4 bytes per sent entry, plus each payload's 5-word header
         assert out["wire_bytes"] >= 8 * out["selected"]
     assert ranks[0]["params"] == ranks[1]["params"]       # the ranks stayed in step
+
+
+@pytest.mark.unit
+def test_numpy_scalars_are_taken_as_python_numbers():
+    import numpy as np
+    c = DGCConfig(compress_ratio=np.float32(0.01), warmup_steps=np.int64(100),
+                  momentum=np.float64(0.9), bucket_numel=np.int32(0), environ={})
+    assert type(c.compress_ratio) is float and c.compress_ratio == float(np.float32(0.01))
+    assert type(c.momentum) is float and c.momentum == 0.9
+    assert (type(c.warmup_steps), c.warmup_steps) == (int, 100)
+    assert (type(c.bucket_numel), c.bucket_numel) == (int, 0)
+    with pytest.raises(TypeError, match="warmup_steps must be an int"):
+        DGCConfig(warmup_steps=np.float64(100.0), environ={})
+    with pytest.raises(TypeError, match="compress_ratio must be a float"):
+        DGCConfig(compress_ratio=np.bool_(True), environ={})
+    with pytest.raises(ValueError, match="compress_ratio must be in"):
+        DGCConfig(compress_ratio=np.float32("nan"), environ={})

@@ -6,6 +6,7 @@ passes on to every rank like Horovod's own ``HOROVOD_*`` variables. Precedence: 
 argument given explicitly > the environment variable > the built-in default.
 """
 import math
+import numbers
 import os
 
 __all__ = ["DGCConfig", "config_diff"]
@@ -16,10 +17,17 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+def _real(value):
+    """A real number that is not a bool (Python's or NumPy's scalars: numpy.float32, numpy.int64
+    ... are numbers.Real)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_fraction(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _real(value):
         raise TypeError(f"{name} must be a float in (0, 1], got {type(value).__name__} {value!r}")
-    if not (0.0 < float(value) <= 1.0) or math.isnan(value):
+    value = float(value)
+    if not (0.0 < value <= 1.0) or math.isnan(value):
         raise ValueError(f"{name} must be in (0, 1], got {value!r}")
     return float(value)
 
@@ -27,7 +35,7 @@ def _check_fraction(name, value):
 def _check_nonneg(name, value, allow_none=False, upper=None):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _real(value):
         raise TypeError(f"{name} must be a non-negative number, got {type(value).__name__} {value!r}")
     value = float(value)
     if not value >= 0.0 or math.isinf(value):
@@ -38,8 +46,9 @@ def _check_nonneg(name, value, allow_none=False, upper=None):
 
 
 def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
