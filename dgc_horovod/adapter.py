@@ -160,6 +160,12 @@ class DGCAdapter:
     #: the values of ``DGCConfig.exchange`` this adapter implements
     exchanges = ("allgather",)
     _own_kwargs = ()     # keyword arguments the adapter takes besides DGCConfig's
+    #: the adapter's advice instead of a copy (Horovod Elastic, checkpoints)
+    _copy_hint = "to checkpoint, save dgc.state_dict()"
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a {type(self).__module__}.DGC cannot be pickled or copied: its state is "
+                        f"per rank. {self._copy_hint}")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -98,3 +98,13 @@ def test_bad_wait_sleep_names_the_variable(text):
     from dgc_horovod.torch.exchange import wait_sleep
     with pytest.raises(ValueError, match="DGC_WAIT_SLEEP"):
         wait_sleep({"DGC_WAIT_SLEEP": text})
+
+
+def test_a_copy_or_pickle_is_refused_with_what_to_do_instead():
+    import copy
+    import pickle
+    dgc = DGC()
+    for attempt in (lambda: pickle.dumps(dgc), lambda: copy.deepcopy(dgc), lambda: copy.copy(dgc)):
+        with pytest.raises(TypeError, match=r"dgc_horovod\.torch\.DGC cannot be pickled or copied"
+                                            r".*TorchState.*state_dict"):
+            attempt()

@@ -185,12 +185,10 @@ class DGC(DGCAdapter, Compressor):
     def _elastic_sync_more(self):
         self._models.sync()     # the model signatures already compared
 
-    def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "a dgc_horovod.tensorflow.DGC cannot be pickled or copied: its state is per rank. For "
-            "Horovod Elastic, pass it to a state of dgc_horovod.tensorflow.elastic "
-            "(TensorFlowKerasState, TensorFlowState or KerasState; Horovod's own would pickle "
-            "it), whose commit, restore and sync carry it; to checkpoint, save dgc.state_dict()")
+    _copy_hint = ("For Horovod Elastic, pass it to a state of dgc_horovod.tensorflow.elastic "
+                  "(TensorFlowKerasState, TensorFlowState or KerasState; Horovod's own would "
+                  "pickle it), whose commit, restore and sync carry it; to checkpoint, save "
+                  "dgc.state_dict()")
 
 
 #: Horovod-style namespace of compressors: ``Compression.dgc(**kwargs)`` makes a new :class:`DGC`.

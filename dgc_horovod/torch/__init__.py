@@ -92,6 +92,9 @@ class DGC(DGCAdapter, Compressor):
     exchanges = ("allgather", "regions")
     _own_kwargs = ("loss_scaler",)
 
+    _copy_hint = ("For Horovod Elastic, pass it to hvd.elastic.TorchState(..., dgc=dgc), whose "
+                  "commit, restore and sync carry it; to checkpoint, save dgc.state_dict()")
+
     def __init__(self, config=None, loss_scaler=None, **kwargs):
         check_loss_scaler(loss_scaler)
         super().__init__(config, TorchBackend(), **kwargs)
