@@ -154,6 +154,25 @@ def test_an_uncalled_factory_or_the_class_as_compression_says_the_right_line(run
     assert r["class"] is not None and "dgc = DGC(compress_ratio" in r["class"]
 
 
+STEP_MODES = ("buckets", "gated", "per_tensor")
+
+
+def test_step_after_synchronize_without_skip_synchronize_is_refused(run):
+    r = run[0]["step_patterns"]
+    for mode in STEP_MODES:
+        msg = r[f"resync_{mode}"]
+        assert msg is not None and "second time" in msg and "skip_synchronize()" in msg, msg
+        # a step skipped after synchronize() (GradScaler on inf) is not mistaken for it
+        assert r[f"skipped_{mode}"] == {"error": None, "identical": True}, r[f"skipped_{mode}"]
+
+
+def test_a_layer_frozen_after_wrapping_the_optimizer_trains_as_with_dense_horovod(run):
+    r = run[0]["step_patterns"]
+    for mode in STEP_MODES:
+        assert r[f"freeze_{mode}"] == {"error": None, "identical": True,
+                                       "fc1_unchanged": True}, (mode, r[f"freeze_{mode}"])
+
+
 BUCKETS = {   # the sparsified members of each bucket, in member order (see torch_worker.Net)
     "default": [["aux.weight", "fc2.weight", "fc1.weight"]],         # biases dense, one bucket
     "small_buckets": [["aux.bias", "aux.weight", "fc2.bias", "fc2.weight"],

@@ -45,7 +45,7 @@ from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch import elastic
 from dgc_horovod.torch.exchange import Exchange, Pending
 from dgc_horovod.torch.loss_scale import check_loss_scaler, read_loss_scale
-from dgc_horovod.torch.params import OptimizerChecks, find_parameter
+from dgc_horovod.torch.params import OptimizerChecks, check_one_synchronize, find_parameter
 
 __all__ = ["DGC"]
 
@@ -116,6 +116,7 @@ class DGC(DGCAdapter, Compressor):
         last sparsified member arrives or, if still incomplete, in decompress.
         """
         opt, p, name = find_parameter(tensor, self)
+        check_one_synchronize(opt)
         self._follow_horovod()
         if self._loss_scaler is not None and self._exchange.idle:    # the step's first gradient
             self._read_loss_scale()

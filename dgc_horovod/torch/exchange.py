@@ -60,6 +60,7 @@ import torch
 from dgc_horovod.adapter import check_same_model
 from dgc_horovod.core import PLACEHOLDER_BYTES, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
+from dgc_horovod.torch.params import reduced_parameters
 
 __all__ = ["Exchange", "Pending"]
 
@@ -259,8 +260,7 @@ class Exchange:
     def _plan(self, opt):
         entry = self._plans.get(id(opt))
         if entry is None or entry[0] is not opt:
-            params = [p for group in opt.param_groups for p in group["params"]
-                      if p.requires_grad][::-1]
+            params = reduced_parameters(opt)[::-1]
             _check_same_model(opt, params)
             names = [opt._parameter_names[p] for p in params]
             plan, numel = {}, {n: p.numel() for n, p in zip(names, params)}

@@ -25,7 +25,8 @@ import weakref
 import horovod.torch as hvd
 import torch
 
-__all__ = ["find_parameter", "param_group", "OptimizerChecks"]
+__all__ = ["find_parameter", "check_one_synchronize", "reduced_parameters", "param_group",
+           "OptimizerChecks"]
 
 _HINT = ("pass it to horovod.torch.DistributedOptimizer(..., compression=DGC(...)); "
          "DGC keeps per-parameter state and must know which parameter a gradient belongs to")
@@ -62,6 +63,49 @@ def find_parameter(tensor, compressor):
         frame = frame.f_back
     raise RuntimeError("dgc_horovod.torch.DGC was called outside horovod.torch."
                        "DistributedOptimizer; " + _HINT)
+
+
+def check_one_synchronize(opt):
+    """RuntimeError when Horovod's ``synchronize()`` hands DGC the gradients a second time in a
+    step: ``optimizer.step()`` after ``optimizer.synchronize()`` without ``with
+    optimizer.skip_synchronize():`` (Horovod only warns), or ``synchronize()`` twice. The
+    gradients are then already averaged, and DGC would take them as the next step's: momentum
+    correction applied twice, the warm-up counting two steps (dense Horovod only repeats an
+    allreduce of equal tensors). Recognised as a call from ``synchronize()`` (not from a gradient
+    hook) after a finished ``synchronize()`` with no gradient hook since (``opt._synchronized``
+    and no handle); a step that ``GradScaler`` skipped, followed by a backward, is not one.
+    Call it from ``compress`` itself (it reads the caller's caller's frames), before any state
+    changes."""
+    if not getattr(opt, "_synchronized", False) or getattr(opt, "_handles", None):
+        return
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return
+        if frame.f_code.co_name == "hook":
+            return
+        if frame.f_code.co_name == "synchronize" and frame.f_locals.get("self") is opt:
+            raise RuntimeError(
+                "DGC: optimizer.synchronize() ran a second time in this step (optimizer.step() "
+                "after optimizer.synchronize() without `with optimizer.skip_synchronize():`, or "
+                "synchronize() called twice). The gradients are already averaged; DGC would "
+                "accumulate them again as a new step's gradient (momentum correction twice, the "
+                "warm-up counting two steps). After synchronize(), call step() inside `with "
+                "optimizer.skip_synchronize():`.")
+        frame = frame.f_back
+
+
+def reduced_parameters(opt):
+    """The parameters Horovod's optimizer ``opt`` reduces, in ``param_groups`` order: those that
+    required a gradient when it was built (its ``_requires_update``: Horovod hooked them then
+    and hands zeros at ``synchronize()`` for any without a gradient), whatever their
+    ``requires_grad`` is now (a layer frozen after the optimizer was wrapped is still reduced;
+    one unfrozen later never is)."""
+    hooked = getattr(opt, "_requires_update", None)
+    if hooked is None:
+        return [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+    hooked = {id(p) for p in hooked}
+    return [p for group in opt.param_groups for p in group["params"] if id(p) in hooked]
 
 
 def _owns(p, tensor):

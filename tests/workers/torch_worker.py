@@ -6,6 +6,7 @@ tests/test_torch_horovod.py asserts on. Rank 0 writes them as JSON to --out.
 import argparse
 import json
 import sys
+import warnings
 
 import horovod.torch as hvd
 import torch
@@ -294,7 +295,6 @@ def scenario_fp16_overflow(results, prefix, steps=16):
     """wire_values="float16" under the documented GradScaler pattern, the loss scale too large
     for float16 (2**24): DGC's selected values overflow, the scaler must see it, skip the steps
     and back off until they fit; the replicas stay bit-identical, u and v finite."""
-    import warnings
     from edge_worker import scaler_step           # the documented GradScaler pattern
     dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024,
               wire_values="float16")
@@ -391,6 +391,54 @@ def scenario_misuse(results, prefix):
     results["misuse"] = out
 
 
+def scenario_step_patterns(results, prefix):
+    """Around synchronize(), in each mode of the exchange (default buckets, gated by clipping,
+    one allgather per tensor): step() after synchronize() without skip_synchronize() is refused
+    (DGC would take the averaged gradients as the next step's); a step skipped after
+    synchronize() (as GradScaler skips one) followed by normal steps is fine; a layer frozen
+    after the optimizer was wrapped (Horovod still reduces it, handing DGC zeros) trains as under
+    dense Horovod, the layer unchanged."""
+    out = {}
+    x, y = batches(1, 7)[0]
+    for mode, kw in (("buckets", {}), ("gated", dict(clip_norm=1.0)),
+                     ("per_tensor", dict(bucket_numel=0))):
+        model, opt = make(f"{prefix}.resync.{mode}", DGC(warmup_epochs=0, **kw))
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")         # Horovod's own warning about it
+            try:
+                opt.step()
+                out[f"resync_{mode}"] = None
+            except RuntimeError as e:
+                out[f"resync_{mode}"] = str(e)
+        model, opt = make(f"{prefix}.skip.{mode}", DGC(warmup_epochs=0, **kw))
+        try:
+            for i, (xb, yb) in enumerate(batches(3, 50 + hvd.rank())):
+                opt.zero_grad()
+                # aux unused: synchronize() itself hands its zeros to DGC after the skipped step
+                F.cross_entropy(model(xb, use_aux=False), yb).backward()
+                opt.synchronize()
+                if i > 0:                           # the first step skipped
+                    with opt.skip_synchronize():
+                        opt.step()
+            out[f"skipped_{mode}"] = {"error": None, "identical": identical_across_ranks(model)}
+        except Exception as e:                      # noqa: BLE001 (recorded for the test)
+            out[f"skipped_{mode}"] = {"error": repr(e)}
+        model, opt = make(f"{prefix}.freeze.{mode}", DGC(warmup_epochs=0, **kw))
+        before = model.fc1.weight.detach().clone()
+        for p in model.fc1.parameters():
+            p.requires_grad_(False)
+        try:
+            train(model, opt, steps=3)
+            out[f"freeze_{mode}"] = {"error": None, "identical": identical_across_ranks(model),
+                                     "fc1_unchanged": bool(torch.equal(before, model.fc1.weight))}
+        except Exception as e:                      # noqa: BLE001
+            out[f"freeze_{mode}"] = {"error": repr(e)}
+    results["step_patterns"] = out
+
+
 def run_scenarios(scenarios):
     """The workers' main: --out PATH, hvd.init(), one intra-op thread, each
     ``scenario(results, prefix)`` of ``scenarios`` in order; rank 0 writes the results."""
@@ -413,7 +461,7 @@ def main():
                    (scenario_equivalence, "eq"), (scenario_wire, "wire"),
                    (scenario_nonfinite, "nf"), (scenario_fp16_overflow, "fp16"),
                    (scenario_momentum_twice, "mt"), (scenario_model_mismatch, "mm"),
-                   (scenario_misuse, "mu")])
+                   (scenario_misuse, "mu"), (scenario_step_patterns, "sp")])
 
 
 if __name__ == "__main__":
