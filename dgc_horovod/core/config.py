@@ -29,7 +29,7 @@ def _check_fraction(name, value):
     value = float(value)
     if not (0.0 < value <= 1.0) or math.isnan(value):
         raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-    return float(value)
+    return value
 
 
 def _check_nonneg(name, value, allow_none=False, upper=None):

@@ -76,7 +76,7 @@ def check_one_synchronize(opt):
     and no handle); a step that ``GradScaler`` skipped, followed by a backward, is not one.
     Call it from ``compress`` itself (it reads the caller's caller's frames), before any state
     changes."""
-    if not getattr(opt, "_synchronized", False) or getattr(opt, "_handles", None):
+    if not opt._synchronized or opt._handles:
         return
     frame = sys._getframe(2)
     for _ in range(4):
@@ -101,10 +101,7 @@ def reduced_parameters(opt):
     and hands zeros at ``synchronize()`` for any without a gradient), whatever their
     ``requires_grad`` is now (a layer frozen after the optimizer was wrapped is still reduced;
     one unfrozen later never is)."""
-    hooked = getattr(opt, "_requires_update", None)
-    if hooked is None:
-        return [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
-    hooked = {id(p) for p in hooked}
+    hooked = {id(p) for p in opt._requires_update}
     return [p for group in opt.param_groups for p in group["params"] if id(p) in hooked]
 
 
