@@ -323,8 +323,10 @@ def recall(n=1_000_000, density=0.001, seeds=5):
         for seed in range(seeds):
             v = torch.from_numpy(make_dist(kind, n, np.random.default_rng(seed)).astype(np.float32))
             # momentum 0 and an empty residual: the selection runs on v itself
+            # min_sparse_ndim=1: v is 1-D, which DGCConfig's default would leave dense
             core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0, momentum=0.0,
-                                     momentum_masking=False, seed=seed), TorchBackend())
+                                     momentum_masking=False, seed=seed, min_sparse_ndim=1),
+                           TorchBackend())
             idx = core.compress("v", v, world_size=1)[2].indices
             c = idx.numel()
             got = float(v[idx].abs().sum())
@@ -387,8 +389,9 @@ def scaling(repeats, max_elements, density):
         n = 10 ** e
         count = -(-2 ** 22 // n)                    # tensors per bucket
         entries = [(f"w{i}", torch.randn(n), None) for i in range(count)]
-        core = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
-        one = DGCCore(DGCConfig(compress_ratio=density, warmup_epochs=0), TorchBackend())
+        # min_sparse_ndim=1: the tensors are 1-D, which DGCConfig's default would leave dense
+        config = DGCConfig(compress_ratio=density, warmup_epochs=0, min_sparse_ndim=1)
+        core, one = DGCCore(config, TorchBackend()), DGCCore(config, TorchBackend())
         cases.append((e, n, count, entries, core, one))
     fns = []
     for e, n, count, entries, core, one in cases:

@@ -42,6 +42,17 @@ def test_powersgd_numel_transcription():
     assert powersgd_numel([("w", (64, 3, 7, 7))], 4) == (64 + 147) * 4
 
 
+@pytest.mark.unit
+def test_compress_cost_recall_and_scaling_sparsify_their_1d_tensors(capsys):
+    """benchmarks/compress_cost.py's recall and scaling parts hand DGCCore 1-D tensors, which
+    DGCConfig's default (min_sparse_ndim=2) leaves dense: they must ask for sparsification, or
+    recall has no selection to score and scaling times the dense path."""
+    import compress_cost
+    assert compress_cost.recall(n=20_000, density=0.01, seeds=1) > 0.99
+    compress_cost.scaling(repeats=1, max_elements=10_000, density=0.01)
+    assert "n=1e4" in capsys.readouterr().out
+
+
 @pytest.mark.horovodrun
 def test_ddp_peers_beside_dgc(tmp_path):
     from shapes import resnet50
