@@ -224,6 +224,38 @@ def test_split_payload_keeps_every_entry_once(fmt):
         assert wire.decode_sum(B, part, hi - lo, 1, "t")[1]          # still flagged
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("fmt", [("delta16", "float32"), ("delta16", "float16"),
+                                 ("int32", "float32"), ("int32-unsorted", "float32")])
+def test_split_payload_parts_are_the_regions_entries_encoded_word_for_word(backend, fmt):
+    """Each part is, word for word, wire.encode of the payload's entries in that region (in
+    payload order, positions relative to the region), and None for a region without entries:
+    whichever way split_payload finds the runs (ascending positions: one call for every part;
+    int32 positions in any order: one mask per region)."""
+    B = BACKENDS[backend]
+    rng = np.random.default_rng(1)
+    n = 70000
+    idx = np.sort(rng.choice(n, 200, replace=False)).astype(np.int64)
+    index = fmt[0].split("-")[0]
+    if fmt[0] == "int32-unsorted":
+        idx = rng.permutation(idx)
+    vals = rng.standard_normal(200).astype(F32)
+    payload = wire.encode(B, n, to_backend(B, idx), to_backend(B, vals), 0, index, fmt[1])
+    _, vals_read, _, _, _, _ = wire.read_payload(B, payload, 0, n, "t")
+    vals_read = to_np(vals_read)                  # float16 payloads carry rounded values
+    for N in (1, 2, 7, 64, 300):
+        parts = regions.split_payload(B, payload, n, N, "t")
+        assert len(parts) == N
+        for (lo, hi), part in zip(regions.bounds(n, N), parts):
+            inside = (idx >= lo) & (idx < hi)
+            if not inside.any():
+                assert part is None
+                continue
+            want = wire.encode(B, hi - lo, to_backend(B, idx[inside] - lo),
+                               to_backend(B, vals_read[inside]), 0, index, fmt[1])
+            np.testing.assert_array_equal(to_np(part), to_np(want))
+
+
 def test_regions_cover_the_tensor_and_tolerate_fewer_elements_than_ranks():
     assert regions.bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert regions.bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]

@@ -72,16 +72,8 @@ def split_payload(B, payload, numel, world_size, name="<tensor>"):
                                    " unexpected trailing words")
     spans = bounds(numel, world_size)
     empty = {}                  # region size -> its empty payload (most regions, at large N)
-    present = {}
-    if idx is not None:
-        # the region of position p: the j with ⌊j·n/N⌋ <= p < ⌊(j+1)·n/N⌋, i.e. ⌊((p+1)·N − 1)/n⌋
-        region = (B.to_int64(idx) + 1) * world_size - 1
-        region = region // numel
-        for j in B.to_list(_unique_sorted(B, region)):
-            inside = region == j
-            lo, hi = spans[j]
-            present[j] = wire.encode(B, hi - lo, B.mask(idx, inside) - lo, B.mask(vals, inside),
-                                     flags, index, values)
+    present = {} if idx is None else _split_entries(B, idx, vals, numel, world_size, spans,
+                                                     flags, index, values)
     if not flags:               # an empty part without a flag says nothing: not sent
         return [present.get(j) for j in range(world_size)]
     out = []
@@ -91,6 +83,41 @@ def split_payload(B, payload, numel, world_size, name="<tensor>"):
                                          B.zeros(0, like=payload), flags, index, values)
         out.append(present[j] if j in present else empty[hi - lo])
     return out
+
+
+def _split_entries(B, idx, vals, numel, world_size, spans, flags, index, values):
+    """{j: the part of region j} for the regions that have entries (split_payload's work).
+
+    Positions come ascending from compress (delta16 needs them so), so each region's entries
+    are one run of the payload: a handful of backend calls find the runs and, in the default
+    encodings (delta16, float32) without flags, :func:`wire.encode_many` encodes every part at
+    once (its words are those of one :func:`wire.encode` per part), so the cost does not grow
+    with the number of regions. Positions in another order (int32 indices allow it) take one
+    masked copy per region, in payload order: the same parts."""
+    # the region of position p: the j with ⌊j·n/N⌋ <= p < ⌊(j+1)·n/N⌋, i.e. ⌊((p+1)·N − 1)/n⌋
+    pos = B.to_int64(idx)
+    region = ((pos + 1) * world_size - 1) // numel
+    c = B.numel(region)
+    if c > 1 and B.count_true(B.slice(region, 1, c) < B.slice(region, 0, c - 1)):
+        present = {}
+        for j in B.to_list(_unique_sorted(B, region)):
+            inside = region == j
+            lo, hi = spans[j]
+            present[j] = wire.encode(B, hi - lo, B.mask(idx, inside) - lo, B.mask(vals, inside),
+                                     flags, index, values)
+        return present
+    first = region != B.cat([B.int64_tensor([-1], like=region), B.slice(region, 0, c - 1)])
+    js = B.to_list(B.mask(region, first))
+    starts = B.to_list(B.mask(B.arange(c, like=region), first)) + [c]
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    if index == "delta16" and values == "float32" and not flags:
+        local = pos - (region * numel) // world_size        # ⌊j·n/N⌋ = lo of region j
+        parts, _ = wire.encode_many(B, [spans[j][1] - spans[j][0] for j in js], counts, local,
+                                    vals)
+        return dict(zip(js, parts))
+    return {j: wire.encode(B, spans[j][1] - spans[j][0], B.slice(idx, a, a + n) - spans[j][0],
+                           B.slice(vals, a, a + n), flags, index, values)
+            for j, a, n in zip(js, starts, counts)}
 
 
 def _unique_sorted(B, idx):
