@@ -50,3 +50,14 @@ def test_float16_wire_at_scale_2_24_does_not_diverge(run):
     ref_tail = sum(ref["losses"][-20:]) / 20
     assert max(dgc["losses"]) < 1.5 * first, dgc["losses"]
     assert tail < 1.1 * ref_tail, (tail, ref_tail)
+
+
+def test_the_plain_pytorch_amp_loop_is_refused_before_the_parameters_move(run):
+    """`scaler.step(opt)` without `opt.synchronize()` first unscales the local gradients and
+    then reduces: the step would use gradients still multiplied by the loss scale. Every rank
+    gets a RuntimeError that names the pattern to use; the parameters do not move."""
+    r = run["plain_loop"]
+    assert len(r["errors"]) == 2 and not r["moved"]
+    for error in r["errors"]:
+        assert error is not None and "loss scaler unscaled the gradients" in error
+        assert "optimizer.synchronize(); scaler.unscale_(optimizer)" in error

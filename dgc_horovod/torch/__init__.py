@@ -44,7 +44,7 @@ from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch import elastic
 from dgc_horovod.torch.exchange import Exchange, Pending
-from dgc_horovod.torch.loss_scale import check_loss_scaler, read_loss_scale
+from dgc_horovod.torch.loss_scale import check_loss_scaler, check_not_unscaled, read_loss_scale
 from dgc_horovod.torch.params import OptimizerChecks, check_one_synchronize, find_parameter
 
 __all__ = ["DGC"]
@@ -157,6 +157,8 @@ class DGC(DGCAdapter, Compressor):
         """Return the averaged (or summed) gradient for Horovod to set as ``p.grad``."""
         if ctx is None:                       # Horovod's sparse (two-allgather) path
             return tensor
+        if self._loss_scaler is not None:     # the plain scaler.step(opt) loop is refused
+            check_not_unscaled(self._loss_scaler, self._checks.optimizer())
         core = self._core
         if not isinstance(ctx, Pending):      # dense tensor: Horovod's allreduce already reduced
             shape, dtype, name, param = ctx

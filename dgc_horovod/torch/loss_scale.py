@@ -1,6 +1,7 @@
 """Mixed precision for :class:`dgc_horovod.torch.DGC`: the loss scaler it follows, in the order a
-step meets it: :func:`check_loss_scaler` when the DGC is made (``DGC(loss_scaler=scaler)``), and
-:func:`read_loss_scale` at each step's first gradient.
+step meets it: :func:`check_loss_scaler` when the DGC is made (``DGC(loss_scaler=scaler)``),
+:func:`read_loss_scale` at each step's first gradient and :func:`check_not_unscaled` when the
+reduced gradients are handed back.
 
 Pass the loss scaler, ``DGC(..., loss_scaler=scaler)`` with ``scaler = torch.amp.GradScaler()``
 (or any object whose ``get_scale()`` returns the current loss scale as a number), and use the
@@ -13,7 +14,7 @@ the equations: :mod:`dgc_horovod.core.precision`). Without ``loss_scaler`` DGC w
 scaled gradients as they come: its state is then wrong by old / new after every change of scale.
 """
 
-__all__ = ["check_loss_scaler", "read_loss_scale"]
+__all__ = ["check_loss_scaler", "read_loss_scale", "check_not_unscaled"]
 
 
 def check_loss_scaler(loss_scaler):
@@ -32,3 +33,22 @@ def read_loss_scale(core, loss_scaler):
     except ValueError:
         raise ValueError(f"DGC: loss_scaler.get_scale() must return a finite number > 0, "
                          f"got {scale!r}") from None
+
+
+def check_not_unscaled(loss_scaler, opt):
+    """RuntimeError when ``loss_scaler`` (a ``torch.amp.GradScaler``) has already unscaled the
+    gradients of ``opt`` while Horovod is still reducing them: the plain PyTorch loop,
+    ``scaler.step(opt)`` without ``opt.synchronize()`` first, unscales the local gradients and
+    then lets ``opt.step()`` reduce, so the update would use gradients still multiplied by the
+    loss scale (with dense Horovod the same loop races: benchmarks/amp_plain_loop.py). Other
+    scalers (no GradScaler state) are not checked."""
+    states = getattr(loss_scaler, "_per_optimizer_states", None)
+    state = states.get(id(opt)) if isinstance(states, dict) and opt is not None else None
+    if state is not None and getattr(state.get("stage"), "name", None) == "UNSCALED":
+        raise RuntimeError(
+            "DGC: the loss scaler unscaled the gradients before Horovod reduced them (the plain "
+            "`scaler.step(optimizer)` loop): the update would use gradients still multiplied by "
+            f"the loss scale ({loss_scaler.get_scale()}). With Horovod reduce first: "
+            "optimizer.synchronize(); scaler.unscale_(optimizer); `with "
+            "optimizer.skip_synchronize(): scaler.step(optimizer)`; scaler.update() "
+            "(docs/usage.md, \"Mixed precision\").")

@@ -150,6 +150,10 @@ class OptimizerChecks:
             self._check_momentum(name, opt, group.get("momentum", 0.0) or 0.0)
         self._checked.add(name)
 
+    def optimizer(self):
+        """The optimizer this DGC serves (None before its first gradient)."""
+        return self._optimizer() if self._optimizer is not None else None
+
     def forget_parameters(self):
         """Check every parameter again at its next step (the elastic reset rule); the optimizer
         this DGC serves stays."""

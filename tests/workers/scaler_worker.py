@@ -8,6 +8,9 @@
   accumulated), DGC with a GradScaler (power-of-two scales: a back-off forced by an inf loss on
   rank 1 and growths every 3 steps) against DGC without loss scaling whose step at the same
   place is skipped the same way (a NaN loss on rank 1): the parameters must be bit-identical.
+* plain_loop: the plain PyTorch loop (``scaler.step(opt)`` without ``opt.synchronize()``) is
+  refused on every rank with a RuntimeError, before the parameters move (it would step with
+  gradients still multiplied by the loss scale).
 
 Rank 0 writes what it recorded as JSON to --out; tests/test_loss_scaler.py asserts on it.
 """
@@ -116,5 +119,23 @@ def scenario_equal(results, prefix):
     results["equal"] = out
 
 
+def scenario_plain_loop(results, prefix):
+    """Last: the refused step leaves this optimizer mid-step."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    model, opt = make(f"{prefix}_plain", dgc(loss_scaler=scaler))
+    (x, y), = batches(1, 900 + hvd.rank())
+    before = flat_params(model).clone()
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    try:
+        scaler.step(opt)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    results["plain_loop"] = {"errors": hvd.allgather_object(error),
+                             "moved": bool((flat_params(model) != before).any())}
+
+
 if __name__ == "__main__":
-    run_scenarios([(scenario_equal, "eq"), (scenario_divergence, "dv")])
+    run_scenarios([(scenario_equal, "eq"), (scenario_divergence, "dv"),
+                   (scenario_plain_loop, "pl")])
