@@ -534,6 +534,7 @@ def train(job):
             after = [t.since(a) for t, a in zip(tot, at_warmup)]
             wb = sum(a.wire_bytes for a in after)
             wire["ratio_after_warmup"] = sum(a.dense_bytes for a in after) / wb if wb else None
+            wire["received_after_warmup"] = sum(a.received_bytes for a in after)
         else:
             wire["ratio_after_warmup"] = None
         rec["wire"] = wire

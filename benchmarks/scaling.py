@@ -92,7 +92,8 @@ def convergence(args):
 
 def report_table(runs):
     """Markdown: per task and N, each exchange's final metric (mean ± std over seeds), the
-    difference, and bytes received per worker per step."""
+    difference, and bytes received per worker per step (over the run; in brackets after the
+    warm-up, for runs that recorded it)."""
     rows = ["| task (metric) | N | allgather DGC | region exchange | regions − allgather | "
             "received per worker per step, allgather → regions | seeds |",
             "|---|---:|---:|---:|---:|---:|---:|"]
@@ -110,15 +111,19 @@ def report_table(runs):
             m, sd = C.mean_std([r["final_metric"] for r in rs])
             return f"{m:.2f}" + ("" if sd is None else f" ± {sd:.2f}")
 
-        def received(rs):
-            r = rs[0]
-            return r["wire"]["received_bytes"] / r["world_size"] / r["steps_run"]
+        def received(rs):       # over the run (the warm-up's denser steps included), and
+            r = rs[0]           # in brackets over the steps after the warm-up, where recorded
+            whole = r["wire"]["received_bytes"] / r["world_size"] / r["steps_run"]
+            after = r["wire"].get("received_after_warmup")
+            steps = r["steps_run"] - r["warmup_steps"]
+            return f"{whole:,.0f}" + (f" ({after / r['world_size'] / steps:,.0f})"
+                                      if after is not None and steps > 0 else "")
         ma = C.mean_std([r["final_metric"] for r in got["dgc"]])[0]
         mr = C.mean_std([r["final_metric"] for r in got["dgc_regions"]])[0]
         seeds = sorted({r["seed"] for v in got for r in got[v]})
         rows.append(f"| {task} ({C.METRIC[task][0]}) | {N} | {cell(got['dgc'])} | "
                     f"{cell(got['dgc_regions'])} | {mr - ma:+.2f} | "
-                    f"{received(got['dgc']):,.0f} → {received(got['dgc_regions']):,.0f} B | "
+                    f"{received(got['dgc'])} → {received(got['dgc_regions'])} B | "
                     f"{', '.join(map(str, seeds))} |")
     return "\n".join(rows)
 
