@@ -241,8 +241,8 @@ class DGCConfig:
             Horovod alltoall over N index regions, each region's owner keeps the k/N largest
             entries of the sum, and an allgather shares them: about 2k(N−1)/N entries received
             per rank, whatever N; it applies the k largest of the summed selections and keeps
-            the rest in the owners' residuals (:mod:`dgc_horovod.core.regions`; measured in
-            docs/scaling.md).
+            the rest in the owners' residuals (:mod:`dgc_horovod.core.regions`), so it needs
+            about 16× the density to train as well (measured in docs/scaling.md).
 
         environ (mapping or None): where the ``HOROVOD_DGC_*`` variables are read; None (the
             default) reads ``os.environ``, ``{}`` ignores the environment.
