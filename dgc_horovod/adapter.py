@@ -10,6 +10,7 @@ import difflib
 import functools
 import json
 import logging
+import operator
 import threading
 import warnings
 
@@ -144,6 +145,11 @@ def _described(entry):
     return f"{entry[0]!r} ({entry[1]})"
 
 
+def _from_core(attr, doc):
+    """A read-only property of the adapter that is the core's attribute ``attr``."""
+    return property(operator.attrgetter("_core." + attr), doc=doc)
+
+
 class DGCAdapter:
     """Base of ``dgc_horovod.torch.DGC`` and ``dgc_horovod.tensorflow.DGC``.
 
@@ -236,25 +242,13 @@ class DGCAdapter:
         """Set the warm-up position from a step count: epoch = step / steps_per_epoch."""
         self._core.set_step(step, steps_per_epoch)
 
-    @property
-    def density(self):
-        """The density in force now (float, warm-up schedule)."""
-        return self._core.density
-
-    @property
-    def stats(self):
-        """:class:`~dgc_horovod.core.CompressionStats` of the most recent step, this rank."""
-        return self._core.step_stats
-
-    @property
-    def total_stats(self):
-        """Cumulative :class:`~dgc_horovod.core.CompressionStats` of this rank."""
-        return self._core.total_stats
-
-    @property
-    def states(self):
-        """Per-tensor :class:`~dgc_horovod.core.compressor.TensorState`, keyed by name."""
-        return self._core.states
+    density = _from_core("density", "The density in force now (float, warm-up schedule).")
+    stats = _from_core("step_stats", ":class:`~dgc_horovod.core.CompressionStats` of the most "
+                       "recent step, this rank.")
+    total_stats = _from_core("total_stats", "Cumulative :class:`~dgc_horovod.core."
+                             "CompressionStats` of this rank.")
+    states = _from_core("states", "Per-tensor :class:`~dgc_horovod.core.state.TensorState`, "
+                        "keyed by name.")
 
     # checkpoint and resume ---------------------------------------------------------------
     def _job(self, process_set):

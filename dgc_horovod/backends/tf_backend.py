@@ -14,6 +14,18 @@ def _col(idx):
     return tf.reshape(tf.cast(idx, tf.int64), [-1, 1])
 
 
+def _pairs_as_words(t):
+    """A 16-bit tensor as int32 words, two elements a word (a zero appended to an odd count)."""
+    if int(tf.size(t)) % 2:
+        t = tf.concat([t, tf.zeros([1], t.dtype)], 0)
+    return tf.bitcast(tf.reshape(t, [-1, 2]), tf.int32)
+
+
+def _words_as(words, dtype, n):
+    """The first n 16-bit elements of ``dtype`` held in int32 words (:func:`_pairs_as_words`)."""
+    return tf.reshape(tf.bitcast(words, dtype), [-1])[:n]
+
+
 class TFBackend(Backend):
     """TensorFlow implementation of :class:`dgc_horovod.core.backend.Backend` (eager, flat)."""
 
@@ -91,24 +103,10 @@ class TFBackend(Backend):
     def mask(self, x, cond): return tf.boolean_mask(x, cond)
     def count_true(self, cond): return int(tf.math.count_nonzero(cond))
 
-    def pack16(self, tokens):
-        t = tf.cast(tokens, tf.uint16)
-        if int(tf.size(t)) % 2:
-            t = tf.concat([t, tf.zeros([1], tf.uint16)], 0)
-        return tf.bitcast(tf.reshape(t, [-1, 2]), tf.int32)
-
-    def unpack16(self, words, n):
-        return tf.cast(tf.reshape(tf.bitcast(words, tf.uint16), [-1])[:n], tf.int64)
-
-    def pack_fp16(self, x):
-        h = tf.cast(x, tf.float16)
-        if int(tf.size(h)) % 2:
-            h = tf.concat([h, tf.zeros([1], tf.float16)], 0)
-        return tf.bitcast(tf.reshape(h, [-1, 2]), tf.int32)
-
-    def unpack_fp16(self, words, n):
-        return tf.cast(tf.reshape(tf.bitcast(words, tf.float16), [-1])[:n], tf.float32)
-
+    def pack16(self, tokens): return _pairs_as_words(tf.cast(tokens, tf.uint16))
+    def unpack16(self, words, n): return tf.cast(_words_as(words, tf.uint16, n), tf.int64)
+    def pack_fp16(self, x): return _pairs_as_words(tf.cast(x, tf.float16))
+    def unpack_fp16(self, words, n): return tf.cast(_words_as(words, tf.float16, n), tf.float32)
     def to_fp16_and_back(self, x): return tf.cast(tf.cast(x, tf.float16), tf.float32)
 
     def state_copy(self, x): return tf.identity(tf.convert_to_tensor(x))
