@@ -52,6 +52,24 @@ def test_float16_wire_at_scale_2_24_does_not_diverge(run):
     assert tail < 1.1 * ref_tail, (tail, ref_tail)
 
 
+@pytest.mark.parametrize("case", ["sparse_bad", "dense_bad", "weight_decay_separate"])
+def test_a_skipped_step_with_one_nonfinite_tensor_takes_nothing_out_of_the_others(run, case):
+    """Rank 1's gradient of one tensor (fc2.weight, or the dense fc1.bias) has an inf at step 4,
+    every other gradient is finite: GradScaler skips the whole step, and on both ranks every
+    other sparsified tensor's residual holds the step's gradient with nothing taken out
+    (v = v_before + u: what it sent is put back), the separate weight decay's buffers are
+    unchanged, and training goes on identically on both ranks. Before DGCCore's
+    skip_nonfinite_steps, the finite tensors' sent entries were lost (v was 0 there)."""
+    r = run["partial"][case]
+    assert r["stepped"] == [step != 4 for step in range(6)]
+    assert r["identical"]
+    for rank, checks in enumerate(r["checks"]):
+        assert checks and all(checks.values()), (rank, checks)
+        assert "fc1.weight v = v0 + u" in checks
+        if case == "weight_decay_separate":
+            assert "fc1.weight wd unchanged" in checks
+
+
 def test_the_plain_pytorch_amp_loop_is_refused_before_the_parameters_move(run):
     """`scaler.step(opt)` without `opt.synchronize()` first unscales the local gradients and
     then reduces: the step would use gradients still multiplied by the loss scale. Every rank

@@ -45,7 +45,12 @@ Non-finite gradients: a tensor whose local gradient has NaN/Inf is not accumulat
 as they were); with weight decay the gradient checked is g + λ·param, what would be accumulated. Its rank sends an empty payload flagged FLAG_NONFINITE (or, for dense tensors, the
 NaN gradient itself); every rank then returns NaN for that tensor — as a dense allreduce would —
 and the ranks that had sent entries put them back into their residual, so nothing is lost. A
-loss-scaling skip (torch.amp GradScaler) therefore skips the step on every rank alike. (The
+loss-scaling skip (torch.amp GradScaler) therefore skips the step on every rank alike. The scaler
+skips the whole step, the tensors whose update was finite too: with ``skip_nonfinite_steps``
+(set by the torch adapter when it is given the scaler) a non-finite update, sparsified or dense,
+also puts back the entries every finite exchange of the step sent and the separate weight
+decay's buffers, whichever tensor's result comes first. A dense tensor's u ← m·u + g of that
+step stays (its result was sent as it was computed; the step's g stays in its momentum). (The
 fused path checks every element exactly; the tensor-op path of the torch backend checks the
 float32 sum, so it also counts finite gradients whose sum overflows as non-finite; in a bucket
 it checks the bucket's sum first, and each tensor's sum only when that one is not finite.) A sparsified
@@ -119,6 +124,16 @@ class DGCCore:
         # checkpoint), the next set_loss_scale adopts its scale without rescaling
         self._loss_scale = 1.0
         self._driver = BucketDriver(self)   # compress_many
+        # a non-finite update makes the whole step one the loss scaler skips (decompress):
+        # the torch adapter sets it with loss_scaler=GradScaler
+        self.skip_nonfinite_steps = False
+        self._new_step_records()
+
+    def _new_step_records(self):
+        """skip_nonfinite_steps: forget the step's restore records (a new step, a load)."""
+        self._kept = []          # (state, positions, v values, u values): entries sent, applied
+        self._kept_wd = []       # (state, wd buffer before this step's update)
+        self._skipped = False    # this step has had a non-finite update
 
     # the statistics, counted by the core's StatsRecorder
     step_stats = property(lambda self: self._stats.step, doc=(
@@ -156,6 +171,7 @@ class DGCCore:
         since the last load / set_step)."""
         if self._stats.starts_step(name):
             self._steps += 1
+            self._new_step_records()
             self._fit.step_begins()
             c = self.config
             if (c.warmup_epochs is not None and not self._epoch_set
@@ -296,6 +312,7 @@ class DGCCore:
             checkpoint.restore_generator(self.B, self._generator, state_dict["generator"])
             self.states = {name: TensorState(name, *t) for name, t in tensors.items()}
             self._driver = BucketDriver(self)
+            self._new_step_records()
             self.epoch = epoch
             self._steps = steps
             self._stats = stats
@@ -531,7 +548,9 @@ class DGCCore:
         ``name`` in place (:func:`~dgc_horovod.core.accumulate.weight_decay_momentum`: its own
         momentum buffer b ← m·b + λ·w, update += b; λ·S·w under a loss scale S,
         :meth:`set_loss_scale`) and return it; a no-op otherwise, and for a non-finite update (a
-        step a loss scaler will skip leaves b untouched).
+        step a loss scaler will skip leaves b untouched). Under ``skip_nonfinite_steps`` b is
+        kept as it was until the step ends, and put back if the step has a non-finite update
+        (:meth:`decompress`); in such a step it is not updated any more.
 
         Args: name (str): a tensor compressed this step. update: flat float32 tensor (the
             decompressed average, or the dense allreduce result). param: the parameter.
@@ -542,15 +561,59 @@ class DGCCore:
         if B.numel(param) != B.numel(update):
             raise ValueError(f"DGC: the parameter of {name!r} has {B.numel(param)} elements, "
                              f"its update {B.numel(update)}")
-        if not B.all_finite(update):
+        if self._skipped or not B.all_finite(update):
             return update
         w = B.float32_view(param)
         with self._lock:
             st = self.states[name]
+            if self.skip_nonfinite_steps:       # put back if a later update is non-finite
+                self._kept_wd.append((st, None if st.wd is None else B.float32_flat(st.wd)))
             if st.wd is None and c.momentum > 0:
                 st.wd = B.zeros(st.numel, like=update)
             return weight_decay_momentum(B, update, st.wd, w, c.weight_decay * self.loss_scale,
                                          c.momentum, c.nesterov)
+
+    def finish_update(self, name, update, param):
+        """The adapter's last step on the reduced update of ``name`` (either kind of tensor):
+        under ``skip_nonfinite_steps`` a dense tensor's non-finite update makes the step skipped
+        (:meth:`decompress` checks the sparsified ones); then :meth:`apply_weight_decay`."""
+        if self.skip_nonfinite_steps and not self._skipped:
+            st = self.states.get(name)
+            if st is not None and not st.sparse and not self.B.all_finite(update):
+                with self._lock:
+                    self._skip_step()
+        return self.apply_weight_decay(name, update, param)
+
+    def _keep_sent(self, ctx, summed):
+        """``skip_nonfinite_steps``, after a finite decode of ``ctx``'s tensor: what restores the
+        entries this rank sent and the sum applied (all of them; with ``exchange="regions"``
+        those where ``summed``, the sum before any 1/N, is non-zero: the others went back in
+        keep_unapplied or stay with their region's owner) is kept until the step ends, or
+        used at once when the step has already had a non-finite update."""
+        if not self.skip_nonfinite_steps or ctx.indices is None:
+            return
+        B = self.B
+        idx, vals, u_sent = ctx.indices, ctx.values, ctx.u_sent
+        if self.config.exchange == "regions" and B.numel(idx):
+            applied = B.take(summed, idx) != 0
+            idx, vals = B.mask(idx, applied), B.mask(vals, applied)
+            u_sent = None if u_sent is None else B.mask(u_sent, applied)
+        st = self.states[ctx.name]
+        with self._lock:
+            if self._skipped:
+                restore_sent(B, st.u, st.v, idx, vals, u_sent)
+            else:
+                self._kept.append((st, idx, vals, u_sent))
+
+    def _skip_step(self):
+        """(Lock held.) The step has a non-finite update, which the loss scaler skips on every
+        rank: put back what this rank's finite exchanges of the step took out of its state (the
+        entries sent, their momentum, the separate weight decay's buffers)."""
+        for st, idx, vals, u_sent in self._kept:
+            restore_sent(self.B, st.u, st.v, idx, vals, u_sent)
+        for st, wd in self._kept_wd:
+            st.wd = wd
+        self._kept, self._kept_wd, self._skipped = [], [], True
 
     def _nonfinite(self, st, g, t0, drawn):
         """What compress returns for a gradient g with NaN/Inf (st's state is not touched): a
@@ -678,6 +741,10 @@ class DGCCore:
             rank's gradient was non-finite or any rank sent a non-finite value (float16
             overflow); this rank's sent entries are then put back into v (and u), unless it
             overflowed itself (its state of the tensor was dropped, see the module docstring).
+            With ``skip_nonfinite_steps`` (the torch adapter under a GradScaler, which then skips
+            the whole step) a non-finite result also puts back what every other exchange of
+            this step took out of this rank's state, before and after it: the entries sent by
+            the tensors whose result was finite, and the separate weight decay's buffers.
         Raises:
             WireFormatError: a malformed payload (names tensor and rank).
         """
@@ -693,6 +760,8 @@ class DGCCore:
             if kernels.decode_sum(B, gathered, ctx.numel, ranks, dense, mode, 1.0 / world_size):
                 if regional:
                     self.keep_unapplied(ctx, dense, dropped)
+                self._keep_sent(ctx, dense)
+                if regional:
                     if scale:
                         kernels.decode_sum(B, gathered, ctx.numel, ranks, dense,
                                            kernels.DECODE_SCALE, 1.0 / world_size)
@@ -703,13 +772,16 @@ class DGCCore:
                                            out, out_is_zero)
         if nonfinite:
             st = self.states[ctx.name]
-            if ctx.indices is not None:
-                with self._lock:
+            with self._lock:
+                if ctx.indices is not None:
                     restore_sent(B, st.u, st.v, ctx.indices, ctx.values, ctx.u_sent)
+                if self.skip_nonfinite_steps:
+                    self._skip_step()
             B.mul_(dense, float("nan"))
             return dense
         if self.config.exchange == "regions":
             self.keep_unapplied(ctx, dense, dropped)
+        self._keep_sent(ctx, dense)
         if scale and positions:
             # divide by N only where a rank sent something (elsewhere 0 / N is 0): the same
             # bits as dividing the whole tensor, without a pass over it. A position sent by

@@ -42,9 +42,8 @@ from dgc_horovod.adapter import DGCAdapter, compression_namespace
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
-from dgc_horovod.torch import elastic
+from dgc_horovod.torch import elastic, loss_scale
 from dgc_horovod.torch.exchange import Exchange, Pending
-from dgc_horovod.torch.loss_scale import check_loss_scaler, check_not_unscaled, read_loss_scale
 from dgc_horovod.torch.params import OptimizerChecks, check_one_synchronize, find_parameter
 
 __all__ = ["DGC"]
@@ -96,9 +95,10 @@ class DGC(DGCAdapter, Compressor):
                   "commit, restore and sync carry it; to checkpoint, save dgc.state_dict()")
 
     def __init__(self, config=None, loss_scaler=None, **kwargs):
-        check_loss_scaler(loss_scaler)
+        loss_scale.check_loss_scaler(loss_scaler)
         super().__init__(config, TorchBackend(), **kwargs)
         self._loss_scaler = loss_scaler
+        self._core.skip_nonfinite_steps = loss_scale.skips_nonfinite_steps(loss_scaler)
         self._exchange = Exchange(self._core, self.config.bucket_numel)
         self._checks = OptimizerChecks(self.config, self._check_momentum)
         if hvd.is_initialized() and hvd.size() == 1:
@@ -158,23 +158,23 @@ class DGC(DGCAdapter, Compressor):
         if ctx is None:                       # Horovod's sparse (two-allgather) path
             return tensor
         if self._loss_scaler is not None:     # the plain scaler.step(opt) loop is refused
-            check_not_unscaled(self._loss_scaler, self._checks.optimizer())
+            loss_scale.check_not_unscaled(self._loss_scaler, self._checks.optimizer())
         core = self._core
         if not isinstance(ctx, Pending):      # dense tensor: Horovod's allreduce already reduced
             shape, dtype, name, param = ctx
             self._exchange.release()
-            return core.apply_weight_decay(name, tensor.view(-1), param).view(shape).to(dtype)
+            return core.finish_update(name, tensor.view(-1), param).view(shape).to(dtype)
         gathered, ranks, dropped = self._exchange.receive(ctx.handle, ctx.world_size)
         if ctx.dense:                         # gated: reduced by DGC's own allreduce
             dense = gathered.view(-1)
         else:
             dense = core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks,
                                     None if ctx.out is None else ctx.out.view(-1), dropped)
-        dense = core.apply_weight_decay(ctx.name, dense, ctx.param)
+        dense = core.finish_update(ctx.name, dense, ctx.param)
         return dense.view(ctx.shape).to(ctx.dtype)
 
     def _read_loss_scale(self):
-        read_loss_scale(self._core, self._loss_scaler)
+        loss_scale.read_loss_scale(self._core, self._loss_scaler)
 
     # Horovod Elastic (the rule and the handler's operations: dgc_horovod.adapter) --------------
     _horovod_session = staticmethod(elastic.horovod_session)

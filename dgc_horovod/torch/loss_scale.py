@@ -10,11 +10,14 @@ gradient, and keeps its velocities and residuals in the units of that scale: whe
 backs off or grows, they are rescaled by new / old, clipping compares the unscaled norm with
 ``clip_norm`` and weight decay adds λ·scale·w, so that after ``scaler.unscale_(opt)`` the update
 is the one DGC gives without a loss scaler (bit-identical with GradScaler's power-of-two scales;
-the equations: :mod:`dgc_horovod.core.precision`). Without ``loss_scaler`` DGC works on the
-scaled gradients as they come: its state is then wrong by old / new after every change of scale.
+the equations: :mod:`dgc_horovod.core.precision`). A step the scaler skips (a non-finite
+gradient on some rank, in some tensor) leaves the residuals holding that step's gradient on
+every rank, the tensors whose exchange was finite included (:func:`skips_nonfinite_steps`).
+Without ``loss_scaler`` DGC works on the scaled gradients as they come: its state is then wrong
+by old / new after every change of scale.
 """
 
-__all__ = ["check_loss_scaler", "read_loss_scale", "check_not_unscaled"]
+__all__ = ["check_loss_scaler", "skips_nonfinite_steps", "read_loss_scale", "check_not_unscaled"]
 
 
 def check_loss_scaler(loss_scaler):
@@ -22,6 +25,15 @@ def check_loss_scaler(loss_scaler):
     if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
         raise TypeError(f"loss_scaler must be a loss scaler with a get_scale() method (e.g. "
                         f"torch.amp.GradScaler()) or None, got {type(loss_scaler).__name__}")
+
+
+def skips_nonfinite_steps(loss_scaler):
+    """Whether the scaler skips every step that has a non-finite gradient, as an enabled
+    ``torch.amp.GradScaler`` does (``scaler.step`` then calls no ``optimizer.step``), the
+    finite tensors' updates included: DGC then puts back what their exchanges took out of its
+    state (``DGCCore.skip_nonfinite_steps``). True for any scaler but a disabled one
+    (``is_enabled()`` False)."""
+    return loss_scaler is not None and bool(getattr(loss_scaler, "is_enabled", lambda: True)())
 
 
 def read_loss_scale(core, loss_scaler):

@@ -8,6 +8,11 @@
   accumulated), DGC with a GradScaler (power-of-two scales: a back-off forced by an inf loss on
   rank 1 and growths every 3 steps) against DGC without loss scaling whose step at the same
   place is skipped the same way (a NaN loss on rank 1): the parameters must be bit-identical.
+* partial: the GradScaler pattern with an inf in one tensor's gradient on rank 1 only (a
+  sparsified weight, or a dense bias), every other gradient finite: the scaler skips the step,
+  so no tensor's exchange of that step may take anything out of DGC's state; recorded: for every
+  sparsified tensor finite on a rank, whether its v after the step is v before + its u after
+  (v ← v + u, nothing sent), and whether the separate weight decay's buffers are unchanged.
 * plain_loop: the plain PyTorch loop (``scaler.step(opt)`` without ``opt.synchronize()``) is
   refused on every rank with a RuntimeError, before the parameters move (it would step with
   gradients still multiplied by the loss scale).
@@ -119,6 +124,47 @@ def scenario_equal(results, prefix):
     results["equal"] = out
 
 
+PARTIAL_CASES = {"sparse_bad": ("fc2.weight", {}), "dense_bad": ("fc1.bias", {}),
+                 "weight_decay_separate": ("fc2.weight", {"weight_decay": 0.05})}
+
+
+def scenario_partial(results, prefix):
+    out = {}
+    for case, (bad, settings) in PARTIAL_CASES.items():
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        d = dgc(loss_scaler=scaler, **settings)
+        model, opt = make(f"{prefix}_{case}", d)
+        now = {"step": None}
+
+        def poison(g, now=now):
+            if now["step"] == FORCED_STEP and hvd.rank() == 1:
+                g = g.clone()
+                g.view(-1)[0] = float("inf")
+            return g
+        dict(model.named_parameters())[bad].register_hook(poison)
+        stepped, checks = [], {}
+        for step, (x, y) in enumerate(batches(FORCED_STEP + 2, 300 + hvd.rank())):
+            now["step"] = step
+            opt.zero_grad()
+            before = d.state_dict()["tensors"]
+            stepped.append(scaler_step(model, opt, scaler, F.cross_entropy(model(x), y)))
+            if step != FORCED_STEP:
+                continue
+            after = d.state_dict()["tensors"]
+            for name, st in after.items():
+                short = name.split(".", 1)[1]
+                if st["sparse"] and not (short == bad and hvd.rank() == 1):
+                    checks[f"{short} v = v0 + u"] = bool(torch.equal(
+                        st["v"], before[name]["v"] + st["u"]))
+                if st["wd"] is not None or before[name]["wd"] is not None:
+                    checks[f"{short} wd unchanged"] = bool(
+                        st["wd"] is not None and before[name]["wd"] is not None
+                        and torch.equal(st["wd"], before[name]["wd"]))
+        out[case] = {"stepped": stepped, "checks": hvd.allgather_object(checks),
+                     "identical": identical_across_ranks(model)}
+    results["partial"] = out
+
+
 def scenario_plain_loop(results, prefix):
     """Last: the refused step leaves this optimizer mid-step."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
@@ -138,4 +184,4 @@ def scenario_plain_loop(results, prefix):
 
 if __name__ == "__main__":
     run_scenarios([(scenario_equal, "eq"), (scenario_divergence, "dv"),
-                   (scenario_plain_loop, "pl")])
+                   (scenario_partial, "pt"), (scenario_plain_loop, "pl")])
