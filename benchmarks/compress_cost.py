@@ -28,8 +28,18 @@
    rounds as in 1; for buckets of several tensors, how much of a call is spent in the C kernels
    and how much per tensor outside them.
 
+5. CUDA (--parts cuda; needs a GPU, not Horovod): the tensor-op path on CUDA tensors, ResNet-50's
+   buckets as in 1: first the same three steps on CUDA and on CPU tensors (payloads and the
+   state_dict compared bit for bit), then the wall time per step (torch.cuda.synchronize after
+   each) of compress_many per bucket, one compress() per tensor and exact top-k, against one
+   memory pass on the GPU, in interleaved rounds; what one step launches (torch.profiler: CUDA
+   kernels and copies, and the host waits for the device); and the lines whose calls make the
+   host wait (torch.cuda.set_sync_debug_mode). --parts stages-cuda: part 3 on CUDA tensors, in
+   wall time.
+
     python benchmarks/compress_cost.py [--repeats 9] [--max-elements 1e8] [--min-sparse-ndim 1]
-                                       [--parts calls,resnet,recall,scaling,stages]
+                                       [--parts calls,resnet,recall,scaling,stages,cuda,
+                                                stages-cuda]
 """
 import argparse
 import math
@@ -234,8 +244,9 @@ class StageClock:
     """Stands in for a Backend and adds up the CPU time of its outermost calls (a method that
     calls another counts once) by (method, file:line of the caller)."""
 
-    def __init__(self, B):
+    def __init__(self, B, clock=time.thread_time):
         self.B, self.seconds, self.calls, self._depth = B, {}, {}, 0
+        self.clock = clock
 
     def __getattr__(self, name):
         attr = getattr(self.B, name)
@@ -248,46 +259,56 @@ class StageClock:
             f = sys._getframe(1)
             key = (name, f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}")
             self._depth += 1
-            t0 = time.thread_time()
+            t0 = self.clock()
             try:
                 return attr(*args, **kwargs)
             finally:
                 self._depth -= 1
-                self.seconds[key] = self.seconds.get(key, 0.0) + time.thread_time() - t0
+                self.seconds[key] = self.seconds.get(key, 0.0) + self.clock() - t0
                 self.calls[key] = self.calls.get(key, 0) + 1
         return timed
 
 
-def stages(density, repeats, min_sparse_ndim=1, top=20):
+def stages(density, repeats, min_sparse_ndim=1, top=20, device="cpu"):
     """The CPU time of the tensor-op path's Backend calls per step on ResNet-50's buckets, one
-    thread, in memory passes (see the module docstring)."""
+    thread, in memory passes (see the module docstring). device="cuda": the wall time of each
+    call on CUDA tensors instead (kernels run asynchronously: a call that makes the host wait
+    for the device is charged with the queued work), each step and pass ending in a
+    torch.cuda.synchronize()."""
     torch.set_num_threads(1)
+    cuda = device == "cuda"
+    now = time.perf_counter if cuda else time.thread_time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     shapes = resnet50()
-    grads = [torch.randn(s) for _, s in shapes]
-    other = [torch.randn(g.shape) for g in grads]
-    clock = StageClock(TorchBackend())
+    grads = [torch.randn(s, device=device) for _, s in shapes]
+    other = [torch.randn(g.shape, device=device) for g in grads]
+    clock = StageClock(TorchBackend(), now)
     core = new_core(density, False, clock, min_sparse_ndim)
     buckets, _ = adapter_buckets([(name, g, None) for (name, _), g in zip(shapes, grads)],
                                  core.config)
     steps, passes = [], []
     for r in range(repeats + 1):
-        t0 = time.thread_time()
+        sync()
+        t0 = now()
         for a, b in zip(other, grads):
             a.add_(b)
-        t1 = time.thread_time()
+        sync()
+        t1 = now()
         if r == 1:                       # the first step builds the state: not counted
             clock.seconds.clear()
             clock.calls.clear()
         for bucket in buckets:
             core.compress_many(bucket, world_size=8)
+        sync()
         if r:
             passes.append(t1 - t0)
-            steps.append(time.thread_time() - t1)
+            steps.append(now() - t1)
     one = statistics.median(passes)
     step = statistics.median(steps)
     print(f"Stages of the tensor-op path (compress_many, use_kernels = False) on ResNet-50's "
           f"{len(buckets)} buckets ({sum(map(len, buckets))} sparsified tensors), 1 thread, "
-          f"CPU time per step, median of {repeats} steps; one memory pass {1e3 * one:.1f} ms, "
+          f"{'wall time on CUDA' if cuda else 'CPU time'} per step, median of {repeats} steps; "
+          f"one memory pass (per tensor) {1e3 * one:.2f} ms, "
           f"a step {1e3 * step:.1f} ms = {step / one:.2f} passes; load average "
           f"{os.getloadavg()[0]:.2f}")
     rows = sorted(clock.seconds.items(), key=lambda kv: -kv[1])
@@ -298,6 +319,150 @@ def stages(density, repeats, min_sparse_ndim=1, top=20):
     rest = step - sum(sec for _, sec in rows[:top]) / repeats
     print(f"  {1e3 * rest:7.2f} ms  {rest / one:5.2f} passes  the rest (Python, the other "
           f"{max(0, len(rows) - top)} call sites)")
+
+
+def _same_on_cuda(shapes, grads, buckets_of, density, min_sparse_ndim, steps=3,
+                  devices=("cpu", "cuda")):
+    """compress_many on tensor ops over CUDA and over CPU copies of the same gradients, ``steps``
+    steps: every payload and the final state_dict bit-equal? Returns the number of payloads."""
+    out, states = [], []
+    for dev in devices:
+        core = new_core(density, False, None, min_sparse_ndim)
+        core.use_kernels = False
+        gs = [g.to(dev) for g in grads]
+        buckets, dense = buckets_of(gs, core)
+        payloads = []
+        for _ in range(steps):
+            for bucket in buckets:
+                payloads += [r[1].cpu() for r in core.compress_many(bucket, world_size=8)]
+            for name, g, _ in dense:
+                payloads.append(core.compress(name, g, world_size=8)[1].cpu())
+        out.append(payloads)
+        states.append({k: t.cpu() for k, t in _tensors(core.state_dict())})
+    assert len(out[0]) == len(out[1])
+    bad = [i for i, (a, b) in enumerate(zip(*out)) if not torch.equal(a, b)]
+    bad_state = [k for k in states[0] if not torch.equal(states[0][k], states[1].get(k))]
+    print(f"  CUDA against CPU tensors, tensor ops, {steps} steps: {len(out[0])} payloads, "
+          f"{len(bad)} differ; state_dict: {len(states[0])} tensors, {len(bad_state)} differ"
+          + (f" (first: payload {bad[:3]}, state {bad_state[:3]})" if bad or bad_state else ""))
+    return not bad and not bad_state
+
+
+def _tensors(d, prefix=""):
+    """(path, tensor) for every tensor in a nested state dict."""
+    for k, v in d.items():
+        if isinstance(v, torch.Tensor):
+            yield prefix + str(k), v
+        elif isinstance(v, dict):
+            yield from _tensors(v, f"{prefix}{k}/")
+
+
+def cuda_cost(repeats, density, min_sparse_ndim=1):
+    """Part 5 of the module docstring."""
+    from torch.profiler import ProfilerActivity, profile
+    shapes = resnet50()
+    grads = [torch.randn(s) for _, s in shapes]
+
+    def buckets_of(gs, core):
+        return adapter_buckets([(name, g, None) for (name, _), g in zip(shapes, gs)],
+                               core.config)
+    print(f"CUDA: {torch.cuda.get_device_name()}, torch {torch.__version__}; ResNet-50 gradients, "
+          f"{len(grads)} tensors, density {density}, min_sparse_ndim={min_sparse_ndim}")
+    same = _same_on_cuda(shapes, grads, buckets_of, density, min_sparse_ndim)
+    grads = [g.cuda() for g in grads]
+    other = [torch.randn(g.shape, device="cuda") for g in grads]
+    many, single = (new_core(density, False, None, min_sparse_ndim),
+                    new_core(density, False, None, min_sparse_ndim))
+    buckets, dense = buckets_of(grads, many)
+
+    def synced(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize()
+        return run
+
+    def compress_buckets():
+        for bucket in buckets:
+            many.compress_many(bucket, world_size=8)
+        for name, g, _ in dense:
+            many.compress(name, g, world_size=8)
+
+    def compress_all():
+        for (name, _), g in zip(shapes, grads):
+            single.compress(name, g, world_size=8)
+
+    def add_pass():
+        for a, b in zip(other, grads):
+            a.add_(b)
+
+    def add_flat():                     # the same bytes in one kernel: the bandwidth's pass
+        flat_a.add_(flat_b)
+    flat_a = torch.cat([g.reshape(-1) for g in other])
+    flat_b = torch.cat([g.reshape(-1) for g in grads])
+
+    def exact_topk():
+        for g in grads:
+            torch.topk(g.abs().reshape(-1), k_for(g.numel(), density), sorted=False)
+    torch.cuda.synchronize()
+    (t_pass, t_flat, t_many, t_single, t_topk), (_, r_flat, r_many, r_single, r_topk) = \
+        interleaved([synced(f) for f in (add_pass, add_flat, compress_buckets, compress_all,
+                                         exact_topk)], repeats)
+    n = sum(g.numel() for g in grads)
+    print(f"  wall time per step, torch.cuda.synchronize() after each; median of {repeats} "
+          "rounds; ratio: median over the rounds of each round's time / that round's memory pass")
+    print(f"  one memory pass (in-place add per tensor) {1e3 * t_pass:8.3f} ms   1.00x"
+          f"   ({12 * n / t_pass / 1e12:.2f} TB/s counting 3 x 4 bytes per element)")
+    print(f"  ... one add over the flat buffer          {1e3 * t_flat:8.3f} ms   {r_flat:5.2f}x"
+          f"   ({12 * n / t_flat / 1e12:.2f} TB/s)")
+    print(f"  DGC per bucket (compress_many)            {1e3 * t_many:8.3f} ms   {r_many:5.2f}x"
+          f"   ({len(buckets)} buckets, {sum(map(len, buckets))} sparsified tensors, "
+          f"{len(dense)} dense)")
+    print(f"  DGC one compress() per tensor             {1e3 * t_single:8.3f} ms   {r_single:5.2f}x")
+    print(f"  exact top-k per tensor (topk)             {1e3 * t_topk:8.3f} ms   {r_topk:5.2f}x")
+    for label, fn in (("compress_many", compress_buckets), ("compress() per tensor", compress_all)):
+        fn()
+        torch.cuda.synchronize()
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+        except Exception as e:                      # the profiler is not the measurement
+            print(f"  one step of {label}: torch.profiler failed ({type(e).__name__}: {e})")
+            continue
+        events = prof.events()
+        kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        waits = sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                    "cudaMemcpy"))
+        copies = sum(1 for e in events if e.name.startswith("cudaMemcpy"))
+        print(f"  one step of {label}: {kernels} CUDA kernels and copies ({kernels / len(buckets):.1f}"
+              f" per bucket), {copies} cudaMemcpy* calls, {waits} host waits for the device "
+              "(cudaStreamSynchronize / cudaDeviceSynchronize / cudaMemcpy; the last sync "
+              "of the step counted)")
+    sync_sites(compress_buckets)
+    return same
+
+
+def sync_sites(fn, top=15):
+    """The lines whose torch calls made the host wait for the device during fn() (torch's
+    sync debug mode warns at each; a warning names the Python line that called the op)."""
+    import collections
+    import linecache
+    import warnings
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = collections.Counter((w.filename, w.lineno) for w in caught
+                                if "synchroniz" in str(w.message))
+    print(f"  host waits of one compress_many step by the line that called the op "
+          f"({sum(sites.values())} in all; torch.cuda.set_sync_debug_mode('warn')):")
+    for (f, line), count in sites.most_common(top):
+        print(f"    {count:5d}  {os.path.basename(f)}:{line}  {linecache.getline(f, line).strip()}")
 
 
 def make_dist(kind, n, rng):
@@ -432,7 +597,8 @@ def main():
                          "numbers of docs/performance.md; 2, DGCConfig's default, leaves the "
                          "1-D tensors dense (outside the buckets)")
     ap.add_argument("--parts", default="calls,resnet,recall,scaling",
-                    help="which parts to run, comma-separated (default: all)")
+                    help="which parts to run, comma-separated (default: all but stages and "
+                         "cuda)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
@@ -446,11 +612,15 @@ def main():
             resnet_cost(args.repeats, args.density, threads, args.min_sparse_ndim)
     if "stages" in parts:
         stages(args.density, args.repeats, args.min_sparse_ndim)
+    if "stages-cuda" in parts:
+        stages(args.density, args.repeats, args.min_sparse_ndim, device="cuda")
     torch.set_num_threads(default_threads)
     if "recall" in parts:
         recall(density=args.density)
     if "scaling" in parts:
         scaling(args.repeats, args.max_elements, args.density)
+    if "cuda" in parts and not cuda_cost(args.repeats, args.density, args.min_sparse_ndim):
+        sys.exit("CUDA and CPU tensors gave different results")
 
 
 if __name__ == "__main__":

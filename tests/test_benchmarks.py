@@ -53,6 +53,35 @@ def test_compress_cost_recall_and_scaling_sparsify_their_1d_tensors(capsys):
     assert "n=1e4" in capsys.readouterr().out
 
 
+@pytest.mark.unit
+def test_compress_cost_cuda_comparison_can_fail(capsys, monkeypatch):
+    """--parts cuda compares the tensor-op path on CUDA with CPU tensors bit for bit; the
+    comparison itself, on CPU twice (no GPU needed): equal, and unequal when the second run's
+    cores draw another random stream."""
+    import torch
+    import compress_cost
+    shapes = [("a", (64, 40)), ("b", (32, 33)), ("c", (50,))]
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(i))
+             for i, (_, s) in enumerate(shapes)]
+
+    def buckets_of(gs, core):
+        return compress_cost.adapter_buckets([(n, g, None) for (n, _), g in zip(shapes, gs)],
+                                             core.config, bucket_numel=3000)
+    same = compress_cost._same_on_cuda(shapes, grads, buckets_of, 0.01, 1, devices=("cpu", "cpu"))
+    assert same and ", 0 differ; state_dict" in capsys.readouterr().out
+    made, new_core = [], compress_cost.new_core
+
+    def reseeded(*args):                # the second device's cores: another generator seed
+        core = new_core(*args)
+        made.append(core)
+        if len(made) > 1:
+            core._generator = core.B.generator(12345)
+        return core
+    monkeypatch.setattr(compress_cost, "new_core", reseeded)
+    assert not compress_cost._same_on_cuda(shapes, grads, buckets_of, 0.01, 1,
+                                           devices=("cpu", "cpu"))
+
+
 @pytest.mark.horovodrun
 def test_ddp_peers_beside_dgc(tmp_path):
     from shapes import resnet50
