@@ -25,7 +25,9 @@ pytestmark = pytest.mark.unit
 
 F32 = np.float32
 N = 2
-SHAPES = {"a": (8, 50), "c": (4, 30), "b": (6,)}     # a, c sparsified; b dense (1-D)
+SHAPES = {"a": (8, 50), "c": (4, 30), "d": (5, 40), "e": (3, 64), "b": (6,)}  # b dense (1-D)
+BUCKETS = [["a", "c"], ["d", "e"]]      # bucket=True: two compress_many calls before any decode
+ORDER = ["a", "c", "d", "e", "b"]
 SKIP = 2                                              # the step with an inf on rank 1
 SETTINGS = {
     "plain": {},
@@ -88,8 +90,9 @@ def step(ranks, grads, w, bucket, order):
     for c, g in zip(ranks, grads):
         gb = {n: to_backend(B, g[n]) for n in SHAPES}
         if bucket:
-            for n, r in zip(sparse, c.compress_many([(n, gb[n], param[n]) for n in sparse], N)):
-                outs.setdefault(n, []).append(r)
+            for names in BUCKETS:
+                for n, r in zip(names, c.compress_many([(n, gb[n], param[n]) for n in names], N)):
+                    outs.setdefault(n, []).append(r)
         else:
             for n in sparse:
                 outs.setdefault(n, []).append(c.compress(n, gb[n], N, param[n]))
@@ -145,7 +148,7 @@ def differing(a, b):
 
 
 def order_for(bad, where):
-    rest = [n for n in ("a", "c", "b") if n != bad]
+    rest = [n for n in ORDER if n != bad]
     return [bad] + rest if where == "bad_first" else rest + [bad]
 
 
@@ -175,13 +178,13 @@ def check_like_twins(setting, after, twins):
 def test_a_skipped_step_leaves_every_rank_as_if_no_exchange_happened(setting, backend,
                                                                       use_kernels, bucket):
     for bad in ("a", "b"):
-        twins = {r: run(make(setting, backend, use_kernels), bad, ["a", "c", "b"], bucket,
+        twins = {r: run(make(setting, backend, use_kernels), bad, ORDER, bucket,
                         twin_of=r) for r in range(N)}
         # the rest of the run from the twins' states: what the steps after must give
         resumed = make(setting, backend, use_kernels)
         for r, c in enumerate(resumed):
             c.load_state_dict(twins[r][1][r])
-        rest = run(resumed, bad, ["a", "c", "b"], bucket, start=SKIP + 1, w=twins[0][2])[3]
+        rest = run(resumed, bad, ORDER, bucket, start=SKIP + 1, w=twins[0][2])[3]
         for where in ("bad_first", "bad_last"):
             after, _, _, history = run(make(setting, backend, use_kernels), bad,
                                        order_for(bad, where), bucket)
@@ -198,8 +201,9 @@ def test_a_skipped_step_leaves_every_rank_as_if_no_exchange_happened(setting, ba
 def test_without_skip_mode_the_finite_tensors_lose_what_they_sent(setting):
     """The test above can fail: without skip_nonfinite_steps the finite tensor's sent entries
     (and the weight decay buffer) are not put back, so the states differ from the twin's."""
-    twin = run(make(setting, "numpy", True), "a", ["a", "c", "b"], False, twin_of=0)[0][0]
-    after = run(make(setting, "numpy", True, skip=False), "a", ["c", "b", "a"], False)[0][0]
+    twin = run(make(setting, "numpy", True), "a", ORDER, False, twin_of=0)[0][0]
+    after = run(make(setting, "numpy", True, skip=False), "a", ["c", "d", "e", "b", "a"],
+                False)[0][0]
     bad = differing(after, twin)
     assert ("c", "v") in bad
     if setting == "weight_decay_separate":
@@ -218,16 +222,16 @@ def test_the_skipped_step_keeps_its_gradient_in_the_residual():
     ranks = make("plain", "numpy", False)
     w = {n: np.full(s, 0.25, F32) for n, s in SHAPES.items()}
     for t in range(SKIP):
-        up = step(ranks, gradients(t), w, False, ["a", "c", "b"])
+        up = step(ranks, gradients(t), w, False, ORDER)
         w = {n: (w[n] - F32(0.1) * up[n].reshape(w[n].shape)).astype(F32) for n in w}
     before = [state(c) for c in ranks]
     grads = gradients(SKIP)
     grads[1]["a"].reshape(-1)[3] = np.inf
-    up = step(ranks, grads, w, False, ["c", "b", "a"])
+    up = step(ranks, grads, w, False, ["c", "d", "e", "b", "a"])
     assert np.isnan(up["a"]).all() and np.isfinite(up["c"]).all()
     m = ranks[0].config.momentum
     for r, c in enumerate(ranks):
-        for n in ("a", "c"):
+        for n in ("a", "c", "d", "e"):
             if r == 1 and n == "a":         # its own non-finite gradient: untouched
                 assert np.array_equal(to_np(c.states[n].v), before[r][n, "v"])
                 continue
