@@ -6,13 +6,15 @@ variant, in turn, and reads its last lines ("final test accuracy", "wall time": 
 loop's wall clock as the example measures it, rank 0):
 
 - ``none``: dense fp32 allreduce;
-- ``dgc``: DGC with its defaults (on a machine without a GPU: the NumPy backend and the fused C
-  kernels, :mod:`dgc_horovod.tensorflow.host`);
-- ``dgc-tf-ops`` (``--tf-ops``): DGC forced onto eager TensorFlow ops (``device="gpu"``, the
-  backend a GPU machine uses; on a CPU they run on the CPU), what every TensorFlow run used
-  before 2026-12-03. The example is run unchanged, through this script with ``DGC``'s default
-  device patched.
+- ``dgc``: DGC with its defaults: its per-step work traced into the step as TensorFlow ops
+  (``in_graph=True``, :mod:`dgc_horovod.tensorflow.graph`);
+- ``dgc-host``: ``DGC(in_graph=False)``, the work in ``tf.py_function`` ops running the core
+  eagerly; on a machine without a GPU on the NumPy backend and the fused C kernels
+  (:mod:`dgc_horovod.tensorflow.host`), the default before 2026-12-05;
+- ``dgc-tf-ops`` (``--tf-ops``): ``DGC(in_graph=False, device="gpu")``, the same on eager
+  TensorFlow ops (what a GPU machine ran before 2026-12-05; here on the CPU).
 
+The example is run unchanged; the last two through this script with ``DGC``'s defaults patched.
 Prints one line per run and, per variant, the median wall time and its ratio to ``none``.
 
     python benchmarks/tf_mnist_wall.py [--rounds 1] [--epochs 10] [--tf-ops]
@@ -30,13 +32,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "tensorflow2_mnist.py")
 
 
-def _inner(device, argv):
-    """Run the example in this process with DGC's default device set to ``device``."""
+#: the DGC keyword arguments each variant patches in (None: the example runs unchanged)
+VARIANTS = {"none": None, "dgc": None, "dgc-host": {"in_graph": False},
+            "dgc-tf-ops": {"in_graph": False, "device": "gpu"}}
+
+
+def _inner(variant, argv):
+    """Run the example in this process with DGC's defaults patched for ``variant``."""
     import dgc_horovod.tensorflow as dgc_tf
     init = dgc_tf.DGC.__init__
 
-    def patched(self, config=None, *, device=device, **kwargs):
-        init(self, config, device=device, **kwargs)
+    def patched(self, config=None, **kwargs):
+        init(self, config, **dict(kwargs, **VARIANTS[variant]))
     dgc_tf.DGC.__init__ = patched
     sys.path.insert(0, os.path.dirname(EXAMPLE))
     sys.argv = [EXAMPLE] + argv
@@ -47,8 +54,8 @@ def _run(variant, epochs):
     bindir = os.path.dirname(sys.executable)
     horovodrun = os.path.join(bindir, "horovodrun")
     args = ["--compression", "none" if variant == "none" else "dgc", "--epochs", str(epochs)]
-    if variant == "dgc-tf-ops":
-        cmd = [sys.executable, os.path.abspath(__file__), "--inner-device", "gpu", "--"] + args
+    if VARIANTS[variant]:
+        cmd = [sys.executable, os.path.abspath(__file__), "--inner", variant, "--"] + args
     else:
         cmd = [sys.executable, EXAMPLE] + args
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3",
@@ -69,12 +76,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="runs of each variant, interleaved")
     ap.add_argument("--epochs", type=int, default=10, help="the example's --epochs")
     ap.add_argument("--tf-ops", action="store_true", help="also run DGC on eager TF ops")
-    ap.add_argument("--inner-device", help=argparse.SUPPRESS)
+    ap.add_argument("--inner", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.inner_device:
-        return _inner(args.inner_device, args.rest)
-    variants = ["none", "dgc"] + (["dgc-tf-ops"] if args.tf_ops else [])
+    if args.inner:
+        return _inner(args.inner, args.rest)
+    variants = ["none", "dgc", "dgc-host"] + (["dgc-tf-ops"] if args.tf_ops else [])
     walls = {v: [] for v in variants}
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
           f"{os.getloadavg()[0]:.1f}, {args.epochs} epochs, 2 ranks (Gloo)")

@@ -156,6 +156,8 @@ class DGCAdapter:
     Args:
         config (DGCConfig or None): the settings, or None to build them from ``kwargs``.
         backend (Backend): the framework's tensor operations for the core.
+        core_class: :class:`~dgc_horovod.core.DGCCore`, or a subclass of it (the TensorFlow
+            adapter's in-graph core).
         **kwargs: keyword arguments of :class:`~dgc_horovod.core.DGCConfig`.
     Raises:
         TypeError: both ``config`` and keyword arguments; TypeError / ValueError from
@@ -179,7 +181,7 @@ class DGCAdapter:
             if name in cls.__dict__:
                 setattr(cls, name, _InstanceOnly(cls.__dict__[name]))
 
-    def __init__(self, config, backend, **kwargs):
+    def __init__(self, config, backend, core_class=DGCCore, **kwargs):
         self._check_kwargs(config, kwargs)
         if config is not None and kwargs:
             raise TypeError("pass either config=DGCConfig(...) or keyword arguments, not both")
@@ -189,7 +191,7 @@ class DGCAdapter:
                              f"{self.config._from('exchange')} is not available in "
                              f"{type(self).__module__}; it supports "
                              f"{', '.join(map(repr, self.exchanges))}")
-        self._core = DGCCore(self.config, backend)
+        self._core = core_class(self.config, backend)
         hvd = self._hvd
         self._session = self._horovod_session() if hvd.is_initialized() else None
         self._session_lock = threading.Lock()

@@ -58,16 +58,27 @@ def test_loss_scaler_is_refused_with_the_reason():
 
 
 def test_backend_follows_the_device():
-    """Without a GPU the core runs on NumPy arrays and the fused C kernels (as PyTorch on a CPU);
-    device="gpu" keeps eager TensorFlow ops; anything else is refused by name."""
+    """By default DGC's work is traced into the graph (state in tf.Variables). With
+    in_graph=False, without a GPU the core runs on NumPy arrays and the fused C kernels (as
+    PyTorch on a CPU); device="gpu" keeps eager TensorFlow ops; anything else is refused by
+    name, and so is a device for the in-graph path (TensorFlow places its ops)."""
     from dgc_horovod.core.backend import NumpyBackend
     from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import GraphCore, GraphPath
+    dgc = DGC()
+    assert isinstance(dgc._core, GraphCore) and isinstance(dgc._path, GraphPath)
+    assert isinstance(dgc._core.B, TFBackend) and not dgc._core.use_kernels
     if not tf.config.list_logical_devices("GPU"):
-        assert isinstance(DGC()._core.B, NumpyBackend) and DGC()._core.use_kernels
-    assert isinstance(DGC(device="cpu")._core.B, NumpyBackend)
-    assert isinstance(DGC(device="gpu")._core.B, TFBackend)
+        host = DGC(in_graph=False)
+        assert isinstance(host._core.B, NumpyBackend) and host._core.use_kernels
+    assert isinstance(DGC(device="cpu", in_graph=False)._core.B, NumpyBackend)
+    assert isinstance(DGC(device="gpu", in_graph=False)._core.B, TFBackend)
     with pytest.raises(ValueError, match="device"):
-        DGC(device="tpu")
+        DGC(device="tpu", in_graph=False)
+    with pytest.raises(ValueError, match="device=.*in_graph=False"):
+        DGC(device="cpu")
+    with pytest.raises(TypeError, match="in_graph must be True or False"):
+        DGC(in_graph="yes")
 
 
 def test_host_view_is_read_only_and_results_are_copied():
@@ -75,7 +86,7 @@ def test_host_view_is_read_only_and_results_are_copied():
     a write would raise); what it returns is copied into a new tensor, so the velocity state it
     came from can change without changing the tensor TensorFlow holds."""
     import numpy as np
-    dgc = DGC(device="cpu", momentum=0.9, min_sparse_numel=1024)
+    dgc = DGC(device="cpu", in_graph=False, momentum=0.9, min_sparse_numel=1024)
     g = tf.constant(np.arange(6, dtype=np.float32))
     view = dgc._host(g)
     assert not view.flags.writeable
@@ -87,7 +98,8 @@ def test_host_view_is_read_only_and_results_are_copied():
 
 
 def test_jit_compile_is_refused_with_the_fix():
-    """XLA cannot compile tf.py_function: DGC says so at trace time, naming jit_compile."""
+    """XLA cannot compile Horovod's allgather nor the selection's data-dependent shapes (nor,
+    with in_graph=False, tf.py_function): DGC says so at trace time, naming jit_compile."""
     fn = tf.function(lambda: DGC().compress(tf.zeros([3])), jit_compile=True)
     with pytest.raises(RuntimeError, match=r"jit_compile=True.*Drop jit_compile"):
         fn()

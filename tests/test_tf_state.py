@@ -64,7 +64,7 @@ def _child(device):
     from dgc_horovod.tensorflow import DGC as _DGC
 
     def DGC(**kw):
-        return _DGC(device=device, **kw)
+        return _DGC(device=device, in_graph=False, **kw)
 
     try:
         DGC(**CFG).state_dict()
@@ -115,7 +115,7 @@ def _child(device):
     assert c.states == {} and c._core.epoch == 1.5
 
     # saved on the other backend: u/v load exactly, the generator cannot (a warning says so)
-    other = _DGC(device="gpu" if device == "cpu" else "cpu", **CFG)
+    other = _DGC(device="gpu" if device == "cpu" else "cpu", in_graph=False, **CFG)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         other.load_state_dict(sd)
@@ -144,7 +144,7 @@ def _elastic_child(device):
     for make in (lambda d: dgc_elastic.TensorFlowKerasState(model, opt, dgc=d, step=0),
                  lambda d: dgc_elastic.TensorFlowState(model.variables, dgc=d, step=0),
                  lambda d: dgc_elastic.KerasState(model, opt, dgc=d, step=0)):
-        dgc = DGC(device=device, **CFG)
+        dgc = DGC(device=device, in_graph=False, **CFG)
         state = make(dgc)
         assert state.dgc is dgc and state.step == 0 and "dgc" not in state._saved_state
         _steps(dgc, 2, seed=0)
@@ -166,7 +166,7 @@ def _elastic_child(device):
         except TypeError as e:
             assert "state.dgc" in str(e), str(e)
         assert state.dgc is dgc
-        other = DGC(device=device, **CFG)
+        other = DGC(device=device, in_graph=False, **CFG)
         state.dgc = other                                # another DGC: carried from now on
         _steps(other, 1, seed=2)
         state.commit()
@@ -175,7 +175,7 @@ def _elastic_child(device):
         state.restore()
         assert _same(_snapshot(other), committed) and len(committed) == 2
 
-    dgc = DGC(device=device, **CFG)
+    dgc = DGC(device=device, in_graph=False, **CFG)
     for attempt in (lambda: pickle.dumps(dgc), lambda: copy.deepcopy(dgc),
                     lambda: hvd.elastic.TensorFlowKerasState(model, opt, dgc=dgc).sync()):
         try:

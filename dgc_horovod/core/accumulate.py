@@ -4,6 +4,7 @@ Each function is one technique of Lin et al. 2018 and works on flat float32 tens
 backend (see :mod:`dgc_horovod.core.backend`), updating state in place. Notation of the paper:
 g gradient, u velocity (momentum buffer), v accumulated velocity (the residual, error feedback).
 """
+import math
 
 __all__ = ["clip_threshold", "clip_factor", "clip_by_local_norm", "global_norm",
            "add_weight_decay", "weight_decay_momentum", "momentum_correction", "clear_sent",
@@ -27,7 +28,8 @@ def clip_threshold(clip_norm, world_size, average=True):
         world_size (int): N >= 1. average (bool): op=Average (True) or op=Sum (False).
     Returns: float, the threshold on ‖g_k‖.
     """
-    return clip_norm * (world_size ** 0.5 if average else world_size ** -0.5)
+    root = math.sqrt(world_size)      # correctly rounded, as the TensorFlow graph's tf.sqrt
+    return clip_norm * root if average else clip_norm * (1.0 / root)
 
 
 def clip_factor(norm, threshold):
@@ -48,7 +50,7 @@ def global_norm(B, grads):
             return n                        # finite but its float32 norm overflows
         if n == n and n != float("inf"):
             total += n * n
-    return total ** 0.5
+    return math.sqrt(total)
 
 
 def clip_by_local_norm(B, g, clip_norm, world_size, average=True, loss_scale=1.0):

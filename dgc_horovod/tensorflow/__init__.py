@@ -19,21 +19,26 @@ How it rides on stock Horovod (0.28.x, unmodified):
   gradient only. **Which variable is this?** DGC finds it on the Python stack at trace time
   (:mod:`dgc_horovod.tensorflow.variables`): each variable gets the same state key and collective
   name on every rank (its ``var.name``; ``name#2`` for a second variable of the same name).
-* **State** (velocity u, residual v) is held by the framework-agnostic core. The per-step work
-  (accumulate, select, encode; later decode) runs eagerly in ``tf.py_function`` ops placed in the
-  traced graph, so Python-side settings such as the warm-up density take effect without
-  retracing. Where TensorFlow sees no GPU the core runs on NumPy arrays and the fused C kernels;
-  with a GPU, on eager TensorFlow ops and ``tf.Variable``s (:mod:`dgc_horovod.tensorflow.host`).
+* **The steps in the graph** (default, ``in_graph=True``): DGC's per-step work (warm-up density,
+  clipping, momentum correction, selection, encoding, and after the exchange decoding and
+  averaging) is TensorFlow ops traced into the step, on state held in ``tf.Variable`` objects
+  (:mod:`dgc_horovod.tensorflow.graph`): nothing returns to Python per step, the ops run where
+  TensorFlow places them, and the results are the framework-agnostic core's, bit for bit.
+  ``in_graph=False`` runs the core eagerly in ``tf.py_function`` ops instead
+  (:class:`~dgc_horovod.tensorflow.host.HostPath`): on NumPy arrays and the fused C kernels
+  where TensorFlow sees no GPU, on eager TensorFlow ops with one.
 * **Exchange.** A sparsified tensor's payload goes through ``hvd.allgather`` (an op in the same
-  graph); Horovod's own allreduce gets a 1-element placeholder (this rank's entry count). Small
+  graph); Horovod's own allreduce gets a 1-element placeholder, which the graph does not use (so
+  TensorFlow prunes that allreduce; ``in_graph=False`` sends it: this rank's entry count). Small
   tensors (``min_sparse_numel``) send their momentum-corrected velocity through it instead.
 * ``tf.IndexedSlices`` gradients (embeddings) keep Horovod's own allgather path, untouched by DGC,
   unless ``sparse_as_dense=True`` turns them into dense gradients, which DGC then compresses.
 * **Rank mismatches.** The first time ``compress`` sees a list of variables (at trace time), the
   ranks compare it and raise a ValueError naming the first difference on every rank, not hang.
 * One process: Horovod skips the reduction (and DGC, and so its momentum); DGC warns.
-* Global clipping: :mod:`~dgc_horovod.tensorflow.clipping` (one factor per traced step); Horovod
-  Elastic: :mod:`~dgc_horovod.tensorflow.elastic`; Keras callbacks:
+* Global clipping: one factor per traced step (in the graph; ``in_graph=False``:
+  :mod:`~dgc_horovod.tensorflow.clipping`); Horovod Elastic: :mod:`~dgc_horovod.tensorflow.elastic`
+  (the world size is Horovod's size op under ``HOROVOD_ELASTIC=1``); Keras callbacks:
   :mod:`~dgc_horovod.tensorflow.keras` (Keras 3 breaks ``horovod.tensorflow``: use tf-keras).
 """
 import horovod.tensorflow as hvd
@@ -41,13 +46,13 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter, compression_namespace
-from dgc_horovod.core.sparsify import is_sparse
+from dgc_horovod.backends.tf_backend import TFBackend
+from dgc_horovod.core import DGCCore
+from dgc_horovod.tensorflow.graph import GraphCore, GraphPath
 from dgc_horovod.tensorflow.keras import (DGCTensorBoardCallback, DGCWarmupCallback, momentum_of,
                                           refuse_loss_scaler, warn_if_keras3)
-from dgc_horovod.tensorflow.clipping import StepClipScale
-from dgc_horovod.tensorflow.host import Host, check_traced, make_backend
-from dgc_horovod.tensorflow.variables import (ComparedModels, StateNames, collective_name,
-                                              find_variable)
+from dgc_horovod.tensorflow.host import Host, HostPath, check_traced, make_backend
+from dgc_horovod.tensorflow.variables import ComparedModels, StateNames, find_variable
 
 __all__ = ["DGC", "DGCWarmupCallback"]
 
@@ -55,11 +60,14 @@ __all__ = ["DGC", "DGCWarmupCallback"]
 class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod TensorFlow compressor (Lin et al., ICLR 2018).
 
-    Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig`, or ``config=DGCConfig``;
-    ``device`` ("cpu", "gpu"; None: "gpu" if TensorFlow sees one) picks where the per-step work
-    runs (:func:`~dgc_horovod.tensorflow.host.make_backend`). Use one DGC per optimizer / tape,
-    created identically on every rank, with an optimizer without momentum when DGC's momentum
-    > 0 (DGC applies momentum correction itself).
+    Keyword arguments are those of :class:`dgc_horovod.core.DGCConfig`, or ``config=DGCConfig``.
+    ``in_graph`` (default True): DGC's per-step work is TensorFlow ops traced into the step
+    (:mod:`~dgc_horovod.tensorflow.graph`); False runs it in ``tf.py_function`` ops
+    (:class:`~dgc_horovod.tensorflow.host.HostPath`), where ``device`` ("cpu", "gpu"; None:
+    "gpu" if TensorFlow sees one) picks the core's backend: the C kernels on "cpu", eager
+    TensorFlow ops on "gpu". Use one DGC per optimizer / tape, created identically on every
+    rank, with an optimizer without momentum when DGC's momentum > 0 (DGC applies momentum
+    correction itself).
 
     Attributes: config, stats (last step's CompressionStats of this rank), total_stats, density,
     states (TensorState by variable name), resets (elastic resets applied, :meth:`on_reset`).
@@ -75,15 +83,21 @@ class DGC(DGCAdapter, Compressor):
     """
 
     _hvd = hvd
+    _own_kwargs = ("device", "in_graph")
 
-    def __init__(self, config=None, *, device=None, **kwargs):
+    def __init__(self, config=None, *, device=None, in_graph=True, **kwargs):
         refuse_loss_scaler(kwargs)
-        super().__init__(config, make_backend(device), **kwargs)
+        if in_graph not in (True, False):
+            raise TypeError(f"DGC: in_graph must be True or False, got {in_graph!r}")
+        if in_graph and device is not None:
+            raise ValueError("DGC: device= picks the backend of in_graph=False; with "
+                             "in_graph=True TensorFlow places DGC's ops")
+        super().__init__(config, TFBackend() if in_graph else make_backend(device),
+                         GraphCore if in_graph else DGCCore, **kwargs)
         self._host = Host(self._core.B)
         self._names = StateNames()
-        self._pending = {}      # between compress and decompress: name -> (ctx, words, world)
         self._models = ComparedModels()     # variable lists already compared across ranks
-        self._clip_scale = StepClipScale(self._core, self._follow_horovod, self._host)
+        self._path = GraphPath(self) if in_graph else HostPath(self)
         warn_if_keras3()
 
     # Horovod Compressor API ---------------------------------------------------------------
@@ -100,75 +114,18 @@ class DGC(DGCAdapter, Compressor):
             self._models.check(*reduced, process_set)
         else:
             self._warn_single_process()
+        self._follow_horovod()
         name = self._names.of(var)
-        numel = tensor.shape.num_elements()
-        if numel is None:
+        if tensor.shape.num_elements() is None:
             raise ValueError(f"DGC needs a static shape for {name!r}'s gradient: {tensor.shape}")
-        core, pending, host, variables = self._core, self._pending, self._host, reduced[1]
-        sparse = is_sparse(numel, len(tensor.shape), self.config)
-        average = op is None or op == hvd.Average
-        scale = self._clip_scale(reduced[0], tensor, process_set, average)
-
-        def run_compress(grad, param, clip_scale):
-            # The world size is read when the step runs, not when it was traced: an elastic
-            # reset changes it without retracing (Keras keeps its train function).
-            self._follow_horovod()
-            now = process_set.size()
-            if core.fit_pending:                    # the first step after load_state_dict:
-                core.check_fit(self._names.known(variables))    # every variable reduced
-            kind, out, ctx = core.compress(name, host(grad), now, host(param), average,
-                                           float(clip_scale) if core.needs_clip_scale else None)
-            if kind == "sparse":                    # and the allgather's input size
-                pending[name] = (ctx, core.B.numel(out), now)
-            return tf.convert_to_tensor(out)
-
-        param = tf.cast(var, host.dtype(var)) if core.needs_param else tf.zeros([0])
-        tensor_in = tf.cast(tensor, host.dtype(tensor))
-        if not sparse:
-            velocity = tf.py_function(run_compress, [tensor_in, param, scale], tf.float32)
-            return (tf.cast(tf.reshape(velocity, tensor.shape), tensor.dtype),
-                    (None, tensor, name, var))
-        payload = tf.py_function(run_compress, [tensor_in, param, scale], tf.int32)
-        payload.set_shape([None])
-        gathered = hvd.allgather(payload, name=collective_name(name), process_set=process_set)
-        # The 1-element placeholder for Horovod's allreduce is this rank's entry count (word 2 of
-        # the payload), not a constant: TensorFlow's graph optimizer folds a collective whose
-        # input is constant, which would run it once instead of every step.
-        placeholder = tf.cast(payload[2:3], tensor.dtype)
-        return placeholder, ((name, average, gathered), tensor, name, var)
+        return self._path.compress(tensor, var, name, reduced, process_set,
+                                   op is None or op == hvd.Average)
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):
-        """Trace-time: decode the allgathered payloads (dense update), or pass a dense result;
-        with ``weight_decay_mode="separate"`` the weight decay term is added to either."""
-        info, original, name, var = ctx
-        core, pending, host = self._core, self._pending, self._host
-        separate_wd = core.separate_weight_decay
-        if info is None:
-            if not separate_wd:
-                return tensor
-
-            def run_wd(update, param):
-                flat = core.B.float32_flat(host(update))
-                return tf.convert_to_tensor(core.apply_weight_decay(name, flat, host(param)))
-
-            dense = tf.py_function(run_wd, [tf.cast(tensor, host.dtype(tensor)),
-                                            tf.cast(var, host.dtype(var))], tf.float32)
-            return tf.cast(tf.reshape(dense, original.shape), original.dtype)
-        _, average, gathered = info
-
-        def run_decompress(g, _placeholder, param):
-            ctx, words, world = pending.pop(name)
-            g = host(g)
-            core.count_allgather(core.B.numel(g), words)
-            out = core.decompress(g, ctx, world, average)
-            if separate_wd:
-                out = core.apply_weight_decay(name, out, host(param))
-            return tf.convert_to_tensor(out)
-
-        param = tf.cast(var, host.dtype(var)) if separate_wd else tf.zeros([0])
-        dense = tf.py_function(run_decompress, [gathered, tensor, param], tf.float32)
-        return tf.cast(tf.reshape(dense, original.shape), original.dtype)
+        """Trace-time: the update from Horovod's result (decoded payloads, or a dense result;
+        with ``weight_decay_mode="separate"`` plus the weight decay term)."""
+        return self._path.decompress(tensor, ctx)
 
     # checkpoints and Horovod Elastic (the rule: dgc_horovod.adapter; states: elastic.py) ------
     def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
@@ -180,7 +137,8 @@ class DGC(DGCAdapter, Compressor):
     load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__
 
     def _drop_pending(self):
-        self._pending.clear()
+        if isinstance(self._path, HostPath):
+            self._path.pending.clear()
 
     def _elastic_sync_more(self):
         self._models.sync()     # the model signatures already compared

@@ -95,7 +95,10 @@ def run(hvd, args, state, dgc, train_step, restore_check, dgc_arrays, final_para
     def train(state):
         record["entries"].append({
             "size": hvd.size(), "rank": hvd.rank(), "step": state.step, "resets": dgc.resets,
-            "dgc_states": len(dgc.states), "stat_steps": dgc.total_stats.steps,
+            # states that hold a residual (the TensorFlow graph keeps its variables, zeroed)
+            "dgc_states": sum(1 for _, u, v in dgc_arrays().values()
+                              if (u is not None and u.any()) or (v is not None and v.any())),
+            "stat_steps": dgc.total_stats.steps,
             "committed_stat_steps": committed_stat_steps[0]})
         first_in_world = True             # every entry starts a world (the start or a reset)
         previous = record["entries"][-2]["size"] if len(record["entries"]) > 1 else None

@@ -82,9 +82,13 @@ def states_info(dgc):
 
 def scenario_identical(results):
     out = {}
-    for mode in ("eager", "function", "function_tf_ops"):     # tf_ops: the GPU backend, here
+    # the in-graph default (eager: Horovod traces its reduction anyway), and in_graph=False on
+    # the C kernels (host) and on eager TensorFlow ops (tf_ops: what a GPU machine would run)
+    paths = {"function_host": dict(in_graph=False),
+             "function_tf_ops": dict(in_graph=False, device="gpu")}
+    for mode in ("eager", "function", "function_host", "function_tf_ops"):
         dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024,
-                  device="gpu" if mode.endswith("tf_ops") else None)
+                  **paths.get(mode, {}))
         model = make_model()
         before = flat(model).numpy()
         train_tape(model, dgc, function=mode.startswith("function"))
@@ -100,8 +104,10 @@ def scenario_equivalence(results):
              "nesterov": (dict(momentum_masking=False, nesterov=True),
                           dict(momentum=0.9, nesterov=True)),
              "masking_equals_plain_sgd": (dict(momentum_masking=True), dict(momentum=0.0)),
-             "momentum_correction_tf_ops": (dict(momentum_masking=False, device="gpu"),
-                                            dict(momentum=0.9))}
+             "momentum_correction_host": (dict(momentum_masking=False, in_graph=False),
+                                          dict(momentum=0.9)),
+             "momentum_correction_tf_ops": (dict(momentum_masking=False, in_graph=False,
+                                                 device="gpu"), dict(momentum=0.9))}
     for name, (dgc_kw, sgd_kw) in cases.items():
         dgc = DGC(compress_ratio=1.0, momentum=0.9, warmup_epochs=0, min_sparse_numel=1,
                   min_sparse_ndim=1, **dgc_kw)
@@ -112,8 +118,8 @@ def scenario_equivalence(results):
     results["equivalence"] = out
 
 
-def scenario_wire(results):
-    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
+def scenario_wire(results, key="wire", **kw):
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024, **kw)
     model = make_model()
     train_tape(model, dgc, steps=5)
     st = dgc.total_stats
@@ -121,9 +127,13 @@ def scenario_wire(results):
                                      "received_bytes": st.received_bytes, "steps": st.steps,
                                      "last_step": [dgc.stats.wire_bytes,
                                                    dgc.stats.received_bytes]})
-    results["wire"] = {"per_rank": per_rank,
-                       "numel": {n: s.numel for n, s in dgc.states.items()},
-                       **states_info(dgc)}
+    results[key] = {"per_rank": per_rank,
+                     "numel": {n: s.numel for n, s in dgc.states.items()},
+                     **states_info(dgc)}
+
+
+def scenario_wire_host(results):
+    scenario_wire(results, "wire_host", in_graph=False)
 
 
 def scenario_indexed_slices(results):

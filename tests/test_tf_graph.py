@@ -1,0 +1,302 @@
+"""The TensorFlow adapter's in-graph path (dgc_horovod/tensorflow/graph.py, ``DGC(in_graph=True)``)
+against the eager core on the TensorFlow backend, bit for bit, for every option.
+
+Two simulated ranks run in this process, no launcher: each rank's :class:`GraphCore` traces its
+steps into one ``tf.function`` (the allgather is a concatenation in rank order, the dense
+allreduce a sum times 1/N), and each rank's eager :class:`DGCCore` (TFBackend) runs the same
+gradients through ``compress`` / ``decompress`` / ``apply_weight_decay`` as the adapter's
+``tf.py_function`` path does. Per step the payloads, the updates, every u, v and weight-decay
+buffer, the generator state and the statistics must be equal (NaN payloads and -0.0 included).
+
+Grappler's arithmetic optimizer is off here: it may re-associate a sum of three tensors (the
+Nesterov weight-decay update) into an AddN in another order, which changes the last bit of a few
+elements (measured on this test's wd_separate_nesterov case). Every rank traces the same step
+and gets the same rewrite, so the replicas stay identical (tests/test_tf_horovod.py checks
+that under horovodrun with the optimizer on).
+"""
+import numpy as np
+import pytest
+
+from helpers import raw, to_np
+
+pytestmark = pytest.mark.adapter
+
+SHAPES = [("fc1/kernel:0", (300, 70)), ("fc1/bias:0", (70,)), ("fc2/kernel:0", (70, 10)),
+          ("big/kernel:0", (3, 70000)), ("fc2/bias:0", (10,))]
+N = 2
+
+#: one setting per line: what each changes in the arithmetic or the selection
+CASES = {
+    "default": dict(),
+    "warmup_steps": dict(warmup_steps=4),
+    "nesterov": dict(nesterov=True),
+    "momentum0": dict(momentum=0.0),
+    "no_masking": dict(momentum_masking=False),
+    "exact_topk": dict(exact_topk=True),
+    "every_tensor_sparse": dict(min_sparse_ndim=1, compress_ratio=0.01),
+    "clip_global": dict(clip_norm=0.5),
+    "clip_tensor_sum": dict(clip_norm=0.5, clip_scope="tensor", _average=False),
+    "wd_separate_nesterov": dict(weight_decay=0.01, nesterov=True),
+    "wd_separate_momentum0": dict(weight_decay=0.01, momentum=0.0),
+    "wd_accumulated_clip": dict(weight_decay=0.01, weight_decay_mode="accumulated",
+                                clip_norm=1.0),
+    "int32_index": dict(wire_index="int32"),
+    "float16_values": dict(wire_values="float16", _scale=[1.0, 1.0, 3e5, 1.0, 1e-9, 1.0]),
+    "warmup_epochs": dict(warmup_epochs=2, _epochs=[0, 0, 1, 1, 2, 3]),
+    "dense_density": dict(compress_ratio=0.6, warmup_steps=0),
+    "sum": dict(_average=False),
+    "ties": dict(compress_ratio=0.02, _ties=True),
+    "ties_exact_int32": dict(exact_topk=True, wire_index="int32", _ties=True),
+    "ties_warmup": dict(warmup_steps=6, _ties=True),
+}
+STEPS = 6
+NAN_STEP, NAN_RANK = 2, 1
+
+
+@pytest.fixture(autouse=True)
+def _no_reassociation():
+    import tensorflow as tf
+    before = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"arithmetic_optimization": False})
+    yield
+    tf.config.optimizer.set_experimental_options(
+        {"arithmetic_optimization": before.get("arithmetic_optimization", True)})
+
+
+def _config(case):
+    from dgc_horovod.core import DGCConfig
+    kw = {k: v for k, v in CASES[case].items() if not k.startswith("_")}
+    kw = dict(dict(compress_ratio=0.004, warmup_steps=2, seed=7), **kw)
+    return DGCConfig(environ={}, **kw)
+
+
+class _ProcessSet:
+    def size(self):
+        return N
+
+
+def _data(case):
+    """grads[step][rank] (lists in SHAPES order, float32) and the parameters."""
+    rng = np.random.default_rng(5)
+    scales = CASES[case].get("_scale", [1.0] * STEPS)
+    grads = [[[(rng.standard_normal(shape) * scales[t]).astype(np.float32)
+               for _, shape in SHAPES] for _ in range(N)] for t in range(STEPS)]
+    if CASES[case].get("_ties"):        # a few distinct magnitudes: ties at every k-th largest
+        grads = [[[np.round(g * 2) / 2 for g in rank] for rank in step] for step in grads]
+    grads[NAN_STEP][NAN_RANK][0][3, 5] = np.nan       # one rank's fc1/kernel non-finite
+    grads[NAN_STEP + 1][0][1][7] = np.inf              # a dense tensor's too, another step
+    params = [rng.standard_normal(shape).astype(np.float32) for _, shape in SHAPES]
+    return grads, params
+
+
+def _same(a, b):
+    return raw(a) == raw(b)
+
+
+def _stats(s, graph=False):
+    """The counters; the graph sends no placeholder through Horovod's allreduce (TensorFlow
+    prunes it): 4 bytes less each way per sparsified tensor than the eager core counts."""
+    out = {k: getattr(s, k) for k in ("steps", "tensors", "sparse_tensors", "elements",
+                                       "selected", "wire_bytes", "received_bytes",
+                                       "dense_bytes", "nonfinite_tensors",
+                                       "overflowed_entries", "flushed_entries")}
+    if graph:
+        for k in ("wire_bytes", "received_bytes"):
+            out[k] += 4 * out["sparse_tensors"]
+    return out
+
+
+def _eager_step(cores, grads, params, average):
+    """One step of the eager core, as the adapter's tf.py_function path runs it."""
+    import tensorflow as tf
+    payloads, updates = [], [[None] * len(SHAPES) for _ in range(N)]
+    results = []
+    for r, core in enumerate(cores):
+        clip = None
+        if core.needs_clip_scale:   # the TF adapter hands the factor over as float32
+            clip = float(tf.constant(core.clip_scale([tf.constant(g) for g in grads[r]], N,
+                                                     average), tf.float32))
+        out = []
+        for j, (name, _) in enumerate(SHAPES):
+            param = tf.constant(params[j]) if core.needs_param else None
+            out.append(core.compress(name, tf.constant(grads[r][j]), N, param, average, clip))
+        results.append(out)
+    for j, (name, _) in enumerate(SHAPES):
+        kinds = [results[r][j][0] for r in range(N)]
+        if kinds[0] == "dense":
+            total = results[0][j][1]
+            for r in range(1, N):
+                total = total + results[r][j][1]
+            if average:
+                total = total * (1.0 / N)
+        else:
+            payloads.append([results[r][j][1] for r in range(N)])
+            gathered = tf.concat([results[r][j][1] for r in range(N)], 0)
+        for r, core in enumerate(cores):
+            if kinds[0] == "dense":
+                update = core.B.float32_flat(total)
+            else:
+                core.count_allgather(int(tf.size(gathered)), int(tf.size(results[r][j][1])))
+                update = core.decompress(gathered, results[r][j][2], N, average)
+            if core.separate_weight_decay:
+                update = core.apply_weight_decay(name, update, tf.constant(params[j]))
+            updates[r][j] = to_np(update)
+    return payloads, updates
+
+
+def _graph_fn(cores, average):
+    """The traced step of every rank's GraphCore (allgather: concatenation in rank order)."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(grads, params):
+        ps, steps, ctxs, outs = _ProcessSet(), [], [], []
+        for r, core in enumerate(cores):
+            steps.append(core.step_ops(grads[r], grads[r][0], ps, average))
+            outs.append([core.compress_ops(name, grads[r][j], steps[r], average, params[j])
+                         for j, (name, _) in enumerate(SHAPES)])
+        payloads, updates = [], [[None] * len(SHAPES) for _ in range(N)]
+        for j, (name, _) in enumerate(SHAPES):
+            if outs[0][j][0] == "dense":
+                total = tf.add_n([outs[r][j][1] for r in range(N)]) if N > 2 else \
+                    outs[0][j][1] + outs[1][j][1]
+                result = total * (1.0 / N) if average else total
+                words = [0] * N
+            else:
+                payloads.append([outs[r][j][1] for r in range(N)])
+                result = tf.concat([outs[r][j][1] for r in range(N)], 0)
+                words = [tf.size(outs[r][j][1], out_type=tf.int64) for r in range(N)]
+            for r, core in enumerate(cores):
+                updates[r][j] = core.decompress_ops(name, result, outs[r][j][2], steps[r],
+                                                    words[r], average, params[j])
+        return payloads, updates
+
+    return step
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_graph_path_equals_eager_core_bit_for_bit(case):
+    import tensorflow as tf
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.core import DGCCore
+    from dgc_horovod.tensorflow.graph import GraphCore
+
+    config = _config(case)
+    average = CASES[case].get("_average", True)
+    epochs = CASES[case].get("_epochs")
+    grads, params = _data(case)
+    eager = [DGCCore(config, TFBackend()) for _ in range(N)]
+    graph = [GraphCore(config, TFBackend()) for _ in range(N)]
+    step_fn = _graph_fn(graph, average)
+    p_tf = [tf.constant(p) for p in params]
+    for t in range(STEPS):
+        if epochs is not None:
+            for core in eager + graph:
+                core.set_epoch(epochs[t])
+        e_payloads, e_updates = _eager_step(eager, grads[t], params, average)
+        g_payloads, g_updates = step_fn([[tf.constant(g) for g in grads[t][r]]
+                                          for r in range(N)], p_tf)
+        where = f"{case}, step {t}"
+        for a, b in zip(e_payloads, g_payloads):
+            for r in range(N):
+                assert _same(a[r], b[r]), f"{where}: payload of rank {r} differs"
+        for r in range(N):
+            for j, (name, _) in enumerate(SHAPES):
+                assert _same(e_updates[r][j], g_updates[r][j]), f"{where}: update {name} r{r}"
+            for name, st in eager[r].states.items():
+                gt = graph[r].states[name]
+                for attr in ("u", "v", "wd"):
+                    assert _same(getattr(st, attr), getattr(gt, attr)), \
+                        f"{where}: {attr} of {name} on rank {r}"
+            assert np.array_equal(to_np(eager[r]._generator.state),
+                                  to_np(graph[r]._generator.state)), f"{where}: generator"
+            assert eager[r].steps == graph[r].steps == t + 1
+            assert eager[r].density == graph[r].density
+            assert _stats(eager[r].step_stats) == _stats(graph[r].step_stats, True), where
+            assert _stats(eager[r].total_stats) == _stats(graph[r].total_stats, True), where
+    # the step with NaN on one rank: nothing entered the state, every rank's update is NaN
+    for core in graph:
+        for st in core.states.values():
+            for t_ in (st.u, st.v, st.wd):
+                assert t_ is None or np.isfinite(to_np(t_)).all()
+    assert graph[0].total_stats.nonfinite_tensors >= 1
+
+
+def test_graph_checkpoint_round_trip_resumes_bit_for_bit():
+    """state_dict / load_state_dict of a GraphCore whose graph is traced: the variables the graph
+    holds take the loaded values, and the resumed run equals the uninterrupted one."""
+    import tensorflow as tf
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import GraphCore
+
+    config = _config("default")
+    grads, params = _data("default")
+    p_tf = [tf.constant(p) for p in params]
+    feed = [[[tf.constant(g) for g in grads[t][r]] for r in range(N)] for t in range(STEPS)]
+    a = [GraphCore(config, TFBackend()) for _ in range(N)]
+    b = [GraphCore(config, TFBackend()) for _ in range(N)]
+    fa, fb = _graph_fn(a, True), _graph_fn(b, True)
+    for t in range(3):
+        fa(feed[t], p_tf)
+        fb(feed[t], p_tf)
+    saved = [core.state_dict() for core in a]
+    for t in range(3, STEPS):       # b trains on, then goes back to the checkpoint
+        fb(feed[t], p_tf)
+    for core, sd in zip(b, saved):
+        core.load_state_dict(sd)
+    assert [core.steps for core in b] == [3, 3]
+    for t in range(3, STEPS):
+        pa, ua = fa(feed[t], p_tf)
+        pb, ub = fb(feed[t], p_tf)
+        assert all(_same(x, y) for x, y in zip(tf.nest.flatten(pa), tf.nest.flatten(pb)))
+        assert all(_same(x, y) for x, y in zip(tf.nest.flatten(ua), tf.nest.flatten(ub)))
+    for x, y in zip(a, b):
+        assert _stats(x.total_stats) == _stats(y.total_stats)
+        for name, st in x.states.items():
+            assert _same(st.v, y.states[name].v) and _same(st.u, y.states[name].u)
+    # a reset (elastic): every traced variable restarts at zero
+    b[0].load_state_dict(b[0].state_dict(), reset_residuals=True)
+    assert all(not to_np(st.v).any() for st in b[0].states.values() if st.v is not None)
+
+
+def test_graph_checkpoint_of_another_model_is_refused_before_anything_changes():
+    import tensorflow as tf
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import GraphCore
+
+    config = _config("default")
+    grads, params = _data("default")
+    cores = [GraphCore(config, TFBackend()) for _ in range(N)]
+    fn = _graph_fn(cores, True)
+    fn([[tf.constant(g) for g in grads[0][r]] for r in range(N)], [tf.constant(p) for p in params])
+    sd = cores[0].state_dict()
+    sd["tensors"] = {"other/" + k: v for k, v in sd["tensors"].items()}
+    before = to_np(cores[0].states["fc1/kernel:0"].v)
+    with pytest.raises(ValueError, match="does not fit this model"):
+        cores[0].load_state_dict(sd)
+    assert np.array_equal(to_np(cores[0].states["fc1/kernel:0"].v), before)
+    assert cores[0].steps == 1
+
+
+@pytest.mark.parametrize("what, mangle", [
+    ("another header", lambda p: np.concatenate([[7], p[1:]])),
+    ("another number of elements", lambda p: np.concatenate([p[:1], [p[1] + 1], p[2:]])),
+    ("is truncated", lambda p: p[:-1]),
+    ("unexpected trailing words", lambda p: np.concatenate([p, [0]])),
+])
+def test_graph_decode_names_the_tensor_and_what_is_wrong(what, mangle):
+    import tensorflow as tf
+    from dgc_horovod.core import wire
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import decode_sum
+
+    B = TFBackend()
+    good = to_np(wire.encode(B, 100, tf.constant([3, 70], tf.int64),
+                             tf.constant([1.0, -2.0]), 0, "delta16"))
+    dense, bad = tf.function(decode_sum)(tf.constant(np.concatenate([good, good])), 100,
+                                         tf.constant(2), "layer/kernel:0")
+    assert to_np(dense)[3] == 2.0 and to_np(dense)[70] == -4.0 and not bool(bad)
+    payload = np.concatenate([good, mangle(good)]).astype(np.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=what) as e:
+        tf.function(decode_sum)(tf.constant(payload), 100, tf.constant(2), "layer/kernel:0")
+    assert "layer/kernel:0" in str(e.value)
