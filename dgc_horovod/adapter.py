@@ -348,7 +348,9 @@ class DGCAdapter:
         ``sync``, at the first step after the reset; TensorFlow:
         :mod:`dgc_horovod.tensorflow.elastic`, when the state is reset), and otherwise at the
         first step after Horovod was re-initialized (PyTorch sees every re-initialization,
-        TensorFlow one that changed this rank's world size or rank). Calling it is only needed
+        TensorFlow's ``in_graph=False`` path one that changed this rank's world size or rank;
+        in the graph, TensorFlow's default, DGC's Python runs only while the step is traced, so
+        there the reset comes from the elastic state or this call). Calling it is only needed
         with a custom elastic State; it can be registered with ``state.register_reset_callbacks([dgc.on_reset])``
         (it then runs once per reset, not twice). Residuals are per rank and not broadcast: after
         a reset every rank, old or new, starts from the same zero state. The dropped residual is

@@ -126,3 +126,20 @@ def test_tf_mnist_wall_runs_each_variant():
     assert set(accs) == {"none", "dgc", "dgc-host", "dgc-tf-ops"}, proc.stdout
     assert all(float(a) > 50.0 for a in accs.values()), accs
     assert re.search(r"dgc-tf-ops: median wall +[\d.]+ s, [\d.]+x none", proc.stdout)
+
+
+@pytest.mark.adapter
+def test_tf_graph_cost_runs_every_line():
+    """benchmarks/tf_graph_cost.py times DGC's TensorFlow step in the graph, in tf.py_function
+    (C kernels, TF ops) and a memory pass, and counts the traced step's ops (the ratios
+    themselves are measured in docs/performance.md)."""
+    import re
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "benchmarks/tf_graph_cost.py", "--model", "lstm_lm",
+                           "--repeats", "1", "--tf-ops"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for label in ("one memory pass", "DGC in the graph", "C kernels", "TF ops"):
+        assert re.search(label + r".* [\d.]+ ms +[\d.]+x", proc.stdout), proc.stdout
+    assert re.search(r"the traced step: [\d,]+ ops", proc.stdout), proc.stdout

@@ -74,6 +74,9 @@ class _ProcessSet:
     def size(self):
         return N
 
+    def included(self):
+        return True
+
 
 def _data(case):
     """grads[step][rank] (lists in SHAPES order, float32) and the parameters."""
@@ -300,3 +303,121 @@ def test_graph_decode_names_the_tensor_and_what_is_wrong(what, mangle):
     with pytest.raises(tf.errors.InvalidArgumentError, match=what) as e:
         tf.function(decode_sum)(tf.constant(payload), 100, tf.constant(2), "layer/kernel:0")
     assert "layer/kernel:0" in str(e.value)
+
+
+def test_graph_decode_one_scatter_equals_the_rank_loop():
+    """The CPU's one scatter_nd in rank order and the GPU's scatter per rank give the same bits
+    (3 ranks, every position sent by several of them, int32 and delta16 payloads)."""
+    import tensorflow as tf
+    from dgc_horovod.core import wire
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import decode_sum
+
+    B, rng, n = TFBackend(), np.random.default_rng(3), 5000
+    payloads = []
+    for r in range(3):
+        idx = np.sort(rng.choice(200, 120, replace=False)) * 25
+        vals = (rng.standard_normal(120) * 10 ** rng.uniform(-6, 6, 120)).astype(np.float32)
+        payloads.append(to_np(wire.encode(B, n, tf.constant(idx, tf.int64), tf.constant(vals),
+                                          0, "delta16" if r != 1 else "int32")))
+    gathered = tf.constant(np.concatenate(payloads))
+    one = tf.function(lambda g: decode_sum(g, n, tf.constant(3), "t", rank_loop=False))(gathered)
+    loop = tf.function(lambda g: decode_sum(g, n, tf.constant(3), "t", rank_loop=True))(gathered)
+    eager, _ = wire.decode_sum(B, gathered, n, 3)
+    assert _same(one[0], loop[0]) and _same(one[0], eager)
+
+
+def test_graph_set_step_keeps_the_counted_statistics():
+    """set_step moves the warm-up position; what the graphs counted before stays in the
+    statistics (read or not), and with warmup_epochs the step counter is left as it is."""
+    import tensorflow as tf
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.core import DGCConfig
+    from dgc_horovod.tensorflow.graph import GraphCore
+
+    grads, params = _data("default")
+    p_tf = [tf.constant(p) for p in params]
+    for config in (_config("default"),
+                   DGCConfig(environ={}, compress_ratio=0.004, warmup_epochs=2, seed=7)):
+        cores = [GraphCore(config, TFBackend()) for _ in range(N)]
+        fn = _graph_fn(cores, True)
+        for t in range(3):
+            fn([[tf.constant(g) for g in grads[t][r]] for r in range(N)], p_tf)
+        cores[0].set_step(100, steps_per_epoch=50)
+        assert cores[0].total_stats.steps == 3 and cores[0].total_stats.tensors == 3 * len(SHAPES)
+        if config.warmup_epochs is None:
+            assert cores[0].steps == 100
+        else:
+            assert cores[0].steps == 3 and cores[0].epoch == 2.0
+        fn([[tf.constant(g) for g in grads[3][r]] for r in range(N)], p_tf)
+        assert cores[0].total_stats.steps == 4
+        assert cores[0].steps == (101 if config.warmup_epochs is None else 4)
+
+
+def test_graph_checkpoint_with_other_sizes_is_refused_before_anything_changes():
+    """A checkpoint whose tensor has the traced name but another size: refused, naming it,
+    with the step counter and every variable as they were."""
+    import tensorflow as tf
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import GraphCore
+
+    config = _config("default")
+    grads, params = _data("default")
+    cores = [GraphCore(config, TFBackend()) for _ in range(N)]
+    fn = _graph_fn(cores, True)
+    for t in range(2):
+        fn([[tf.constant(g) for g in grads[t][r]] for r in range(N)],
+           [tf.constant(p) for p in params])
+    sd = cores[0].state_dict()
+    entry = dict(sd["tensors"]["fc2/kernel:0"])
+    entry.update(numel=600, u=np.zeros(600, np.float32), v=np.zeros(600, np.float32))
+    sd = dict(sd, steps=77, tensors=dict(sd["tensors"], **{"fc2/kernel:0": entry}))
+    before = {k: to_np(st.v) for k, st in cores[0].states.items() if st.v is not None}
+    with pytest.raises(ValueError, match=r"'fc2/kernel:0' has 600 elements"):
+        cores[0].load_state_dict(sd)
+    assert cores[0].steps == 2
+    for k, v in before.items():
+        assert np.array_equal(to_np(cores[0].states[k].v), v)
+
+
+def test_graph_float16_warning_counts_every_step():
+    """float16 overflows are warned about when the statistics are read, from the entries
+    counted since the last read: the overflow step (the third) is not the last one run."""
+    import warnings
+    import tensorflow as tf
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import GraphCore
+
+    case = "float16_values"
+    config = _config(case)
+    grads, params = _data(case)
+    cores = [GraphCore(config, TFBackend()) for _ in range(N)]
+    fn = _graph_fn(cores, True)
+    for t in range(STEPS):
+        fn([[tf.constant(g) for g in grads[t][r]] for r in range(N)],
+           [tf.constant(p) for p in params])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        total = cores[0].total_stats.overflowed_entries
+    assert total > 0
+    assert any("exceeded float16's range" in str(w.message) for w in seen), \
+        [str(w.message)[:80] for w in seen]
+
+
+def test_graph_variables_made_at_a_later_trace():
+    """A tensor Horovod reduces from a later step on (its gradient None before) gets its
+    variables at that trace; tf.function refuses tf.Variable there, DGC's are made eagerly."""
+    import horovod.tensorflow as hvd
+    from dgc_horovod.tensorflow import DGC
+
+    hvd.init()
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, min_sparse_numel=10)
+    import tensorflow as tf
+    a = tf.Variable(np.ones([20, 20], np.float32), name="a")
+    b = tf.Variable(np.ones([20, 20], np.float32), name="b")
+    for use_b in (False, True):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(a * a) + (tf.reduce_sum(b * b) if use_b else 0.0)
+        grads = hvd.DistributedGradientTape(tape, compression=dgc).gradient(loss, [a, b])
+        assert (grads[1] is None) == (not use_b)
+    assert len(dgc._core.states) == 2

@@ -1,13 +1,24 @@
 """`TFBackend`: the DGC core's tensor interface on eager TensorFlow tensors.
 
 The core runs eagerly (inside ``tf.py_function`` when Horovod traces its reduction); every tensor
-it mutates in place is a ``tf.Variable`` created eagerly, i.e. outside any trace.
+it mutates in place is a ``tf.Variable`` created eagerly, i.e. outside any trace (:func:`variable`).
 """
 import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from dgc_horovod.core.backend import Backend
 
-__all__ = ["TFBackend"]
+__all__ = ["TFBackend", "variable"]
+
+
+def variable(value, dtype=None):
+    """A non-trainable variable holding ``value``, created eagerly (``tf.init_scope``) even when
+    called while a ``tf.function`` traces: the ``ResourceVariable`` constructor, since
+    ``tf.Variable`` inside a trace goes through ``tf.function``'s creator, which refuses a
+    variable made at any trace but the first (a tensor Horovod reduces only from a later step
+    on, or a retrace)."""
+    with tf.init_scope():
+        return ResourceVariable(value, dtype=dtype, trainable=False)
 
 
 def _col(idx):
@@ -35,7 +46,7 @@ class TFBackend(Backend):
     def ndim(self, x): return len(x.shape)
 
     def zeros(self, n, like=None):
-        return tf.Variable(tf.zeros([n], tf.float32), trainable=False)
+        return variable(tf.zeros([n], tf.float32))
 
     def zero_(self, x):
         x.assign(tf.zeros_like(x))
@@ -44,10 +55,12 @@ class TFBackend(Backend):
     def empty_indices(self, like=None): return tf.zeros([0], tf.int64)
 
     def float32_flat(self, x):
-        return tf.Variable(tf.reshape(tf.cast(x, tf.float32), [-1]), trainable=False)
+        return variable(tf.reshape(tf.cast(x, tf.float32), [-1]))
 
     def float32_view(self, x): return tf.reshape(tf.cast(x, tf.float32), [-1])
-    def scale_add_(self, x, a, y, b): x.assign(a * x + b * tf.convert_to_tensor(y))
+    def scale_add_(self, x, a, y, b):
+        y = tf.convert_to_tensor(y)
+        x.assign(a * x + (y if b == 1.0 else b * y))       # 1.0 · y is y: one pass less
 
     def is_floating(self, x): return bool(getattr(x, "dtype", None) is not None and x.dtype.is_floating)
     def all_finite(self, x): return bool(tf.reduce_all(tf.math.is_finite(x)))

@@ -23,7 +23,9 @@ How it rides on stock Horovod (0.28.x, unmodified):
   clipping, momentum correction, selection, encoding, and after the exchange decoding and
   averaging) is TensorFlow ops traced into the step, on state held in ``tf.Variable`` objects
   (:mod:`dgc_horovod.tensorflow.graph`): nothing returns to Python per step, the ops run where
-  TensorFlow places them, and the results are the framework-agnostic core's, bit for bit.
+  TensorFlow places them. On a CPU the results are the core's on the TensorFlow backend, bit
+  for bit (``tests/test_tf_graph.py``); on a GPU not measured (no GPU machine here has Horovod),
+  where TensorFlow's kernels may round u·m + g once instead of twice.
   ``in_graph=False`` runs the core eagerly in ``tf.py_function`` ops instead
   (:class:`~dgc_horovod.tensorflow.host.HostPath`): on NumPy arrays and the fused C kernels
   where TensorFlow sees no GPU, on eager TensorFlow ops with one.

@@ -32,9 +32,20 @@ How Horovod's conventions map onto the paper's: as in the eager core
 the decoded sum is divided by N, which by linearity is Algorithm 1's update; the local clipping
 threshold is C·√N under Average (C/√N under Sum).
 
-Same results as the eager core on the TensorFlow backend, bit for bit: payloads, state, updates,
-generator state (``tests/test_tf_graph.py`` runs both side by side for every option). What the
-graph does not do per step: ``compress_seconds`` is 0 (no clock in the graph); the statistics
+On a CPU, the same results as the eager core on the TensorFlow backend, bit for bit: payloads,
+state, updates, generator state (``tests/test_tf_graph.py`` runs both side by side for every
+option; among equal magnitudes both send the lower positions). On a GPU not measured: no GPU
+machine here has Horovod, and TensorFlow's GPU kernels may round u·m + g once (a fused
+multiply-add) where the CPU rounds twice.
+
+A step is one run of a traced reduction in which Horovod reduces (its ``_allreduce_cond``
+holds: this rank in the process set, more than one rank): the step counter, the warm-up and the
+threshold draws advance then, as they do when the eager core's compress runs. A training step
+that runs two reductions (two ``tape.gradient`` calls) counts two steps; the eager core counts a
+step when a tensor comes again, i.e. one step where the two reduce different variables (a GAN's
+two models): there the warm-up advances twice as fast in the graph (``warmup_epochs`` with
+``set_epoch`` does not depend on it).
+What the graph does not do per step: ``compress_seconds`` is 0 (no clock in the graph); the statistics
 are counted in ``tf.Variable``\\ s, one row per tensor, and read when ``dgc.stats`` is;
 float16 overflow / flush warnings are given when the statistics (or a checkpoint) are read.
 """
@@ -43,7 +54,9 @@ import os
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from dgc_horovod.backends.tf_backend import variable
 from dgc_horovod.core import DGCCore, wire
+from dgc_horovod.core import checkpoint
 from dgc_horovod.core.checkpoint import FitCheck
 from dgc_horovod.core.accumulate import clear_sent, momentum_correction
 from dgc_horovod.core.sparsify import MIN_SAMPLES, SAMPLE_OVERSHOOT, is_sparse
@@ -96,7 +109,8 @@ def top_k_ascending(mag, k):
     value t, and the result is every element above t and the first of those equal to t."""
     bits = tf.bitcast(mag, tf.int32)
     hi = tf.bitwise.right_shift(bits, 16)
-    counts = tf.math.bincount(hi, minlength=_BINS, maxlength=_BINS, dtype=tf.int64)
+    counts = tf.cast(tf.math.bincount(hi, minlength=_BINS, maxlength=_BINS, dtype=tf.int32),
+                     tf.int64)      # int32: the dtype every device has a kernel for
     k = tf.cast(k, tf.int64)
     upto = tf.cumsum(counts, reverse=True)              # elements in this bin or above
     b = tf.math.count_nonzero(upto >= k, dtype=tf.int32) - 1
@@ -193,76 +207,101 @@ def _check(cond, name, what, rank=None):
     return tf.debugging.Assert(cond, data, name="DGCPayloadCheck")
 
 
+def _read_payload(gathered, total, pos, numel, name, rank):
+    """:func:`~dgc_horovod.core.wire.read_payload` as graph ops, for the payload at word ``pos``:
+    (the word after it, int64 positions, float32 values, whether it is non-finite: flagged, or
+    a float16 value beyond float16's range). Asserts name the tensor, the rank and the fault."""
+    with tf.control_dependencies([_check(pos + wire.HEADER_WORDS <= total, name,
+                                         "is truncated: no complete header", rank)]):
+        head = tf.identity(gathered[pos:pos + wire.HEADER_WORDS])
+    magic, n, c, word3, t = tf.unstack(head, wire.HEADER_WORDS)
+    bits = tf.bitwise
+    flags = bits.bitwise_and(word3, 0xFF)
+    icode = bits.bitwise_and(bits.right_shift(word3, 8), 0xFF)
+    vcode = bits.bitwise_and(bits.right_shift(word3, 16), 0xFF)
+    int32_idx, fp32 = tf.equal(icode, 0), tf.equal(vcode, 0)
+    idx_words = tf.where(int32_idx, c, (t + 1) // 2)
+    val_words = tf.where(fp32, c, (c + 1) // 2)
+    start = pos + wire.HEADER_WORDS
+    end = start + idx_words + val_words
+    known = tf.logical_and(tf.logical_and(icode < len(wire.INDEX_ENCODINGS),
+                                          vcode < len(wire.VALUE_DTYPES)),
+                           tf.equal(bits.right_shift(word3, 24), 0))
+    checks = [
+        _check(tf.equal(magic, wire.MAGIC_V2), name, "has another header than DGC wire format "
+               "v2: are all ranks running the same dgc_horovod version?", rank),
+        _check(tf.equal(n, numel), name, f"describes another number of elements than this "
+               f"rank's {numel}: the models differ", rank),
+        _check(tf.logical_and(0 <= c, c <= numel), name, "claims more entries than the tensor "
+               "has elements", rank),
+        _check(known, name, "has an unknown encoding word", rank),
+        _check(tf.logical_and(tf.logical_or(tf.logical_not(int32_idx), tf.equal(t, c)),
+                              tf.logical_and(c <= t, t <= numel)), name,
+               "has an index token count that does not fit its entries", rank),
+        _check(end <= total, name, "is truncated", rank)]
+    with tf.control_dependencies(checks):
+        iw = gathered[start:start + idx_words]
+        vw = gathered[start + idx_words:end]
+
+    def delta16():
+        toks = tf.cast(tf.reshape(tf.bitcast(iw, tf.uint16), [-1])[:t], tf.int64)
+        is_entry = toks != 0
+        idx = tf.boolean_mask(tf.cumsum(tf.where(is_entry, toks, _ESCAPE)) - 1, is_entry)
+        with tf.control_dependencies([_check(tf.equal(tf.size(idx), c), name, "has index "
+                                             "tokens that do not match its header", rank)]):
+            return tf.identity(idx)
+
+    idx = tf.cond(int32_idx, lambda: tf.cast(iw, tf.int64), delta16)
+    vals = tf.cond(fp32, lambda: tf.bitcast(vw, tf.float32),
+                   lambda: tf.cast(tf.reshape(tf.bitcast(vw, tf.float16), [-1])[:c],
+                                   tf.float32))
+    with tf.control_dependencies([_check(tf.reduce_all((idx >= 0) & (idx < numel)), name,
+                                         "has an index outside the tensor", rank)]):
+        idx = tf.identity(idx)
+    bad = tf.logical_or(
+        tf.not_equal(bits.bitwise_and(flags, wire.FLAG_NONFINITE), 0),
+        tf.logical_and(tf.logical_not(fp32),
+                       tf.logical_not(tf.reduce_all(tf.math.is_finite(vals)))))
+    return end, idx, vals, bad
+
+
 @_plain
-def decode_sum(gathered, numel, world_size, name):
+def decode_sum(gathered, numel, world_size, name, rank_loop=None):
     """:func:`dgc_horovod.core.wire.decode_sum` as graph ops: (the dense float32 sum of every
     rank's payload, added in rank order; True when a rank flagged a non-finite gradient or sent
     a float16 value beyond float16's range). ``world_size``: int32 scalar (a tensor: an elastic
     job changes it without retracing). Any of the payload formats, as each describes its own.
     A malformed payload stops the step with an InvalidArgumentError naming the tensor, what is
-    wrong and the rank (the checks of :func:`~dgc_horovod.core.wire.read_payload`)."""
+    wrong and the rank (the checks of :func:`~dgc_horovod.core.wire.read_payload`).
+
+    The sum: on a CPU one ``scatter_nd`` of every rank's entries in rank order (it adds them in
+    that order: the eager core's bits, one pass over the tensor); where TensorFlow sees a GPU
+    (``rank_loop`` None) one scatter per rank, in rank order, since a GPU's ``scatter_nd`` adds a
+    position's entries in any order and ranks would differ in the last bit from 3 ranks on."""
     total = tf.size(gathered)
+    if rank_loop is None:
+        rank_loop = bool(tf.config.list_logical_devices("GPU"))
 
-    def body(rank, pos, dense, nonfinite):
-        with tf.control_dependencies([_check(pos + wire.HEADER_WORDS <= total, name,
-                                             "is truncated: no complete header", rank)]):
-            head = tf.identity(gathered[pos:pos + wire.HEADER_WORDS])
-        magic, n, c, word3, t = tf.unstack(head, wire.HEADER_WORDS)
-        bits = tf.bitwise
-        flags = bits.bitwise_and(word3, 0xFF)
-        icode = bits.bitwise_and(bits.right_shift(word3, 8), 0xFF)
-        vcode = bits.bitwise_and(bits.right_shift(word3, 16), 0xFF)
-        int32_idx, fp32 = tf.equal(icode, 0), tf.equal(vcode, 0)
-        idx_words = tf.where(int32_idx, c, (t + 1) // 2)
-        val_words = tf.where(fp32, c, (c + 1) // 2)
-        start = pos + wire.HEADER_WORDS
-        end = start + idx_words + val_words
-        checks = [
-            _check(tf.equal(magic, wire.MAGIC_V2), name, "has another header than DGC wire "
-                   "format v2: are all ranks running the same dgc_horovod version?", rank),
-            _check(tf.equal(n, numel), name, f"describes another number of elements than "
-                   f"this rank's {numel}: the models differ", rank),
-            _check(tf.logical_and(0 <= c, c <= numel), name, "claims more entries than the "
-                   "tensor has elements", rank),
-            _check(tf.logical_and(tf.logical_and(icode < len(wire.INDEX_ENCODINGS),
-                                                 vcode < len(wire.VALUE_DTYPES)),
-                                  tf.equal(bits.right_shift(word3, 24), 0)), name, "has an unknown encoding "
-                   "word", rank),
-            _check(tf.logical_and(tf.logical_or(tf.logical_not(int32_idx), tf.equal(t, c)),
-                                  tf.logical_and(c <= t, t <= numel)), name,
-                   "has an index token count that does not fit its entries", rank),
-            _check(end <= total, name, "is truncated", rank)]
-        with tf.control_dependencies(checks):
-            iw = gathered[start:start + idx_words]
-            vw = gathered[start + idx_words:end]
+    def body(rank, pos, acc, nonfinite):
+        end, idx, vals, bad = _read_payload(gathered, total, pos, numel, name, rank)
+        if rank_loop:
+            acc = tf.tensor_scatter_nd_add(acc, tf.reshape(idx, [-1, 1]), vals)
+        else:
+            acc = (acc[0].write(rank, idx), acc[1].write(rank, vals))
+        return rank + 1, end, acc, tf.logical_or(nonfinite, bad)
 
-        def delta16():
-            toks = tf.cast(tf.reshape(tf.bitcast(iw, tf.uint16), [-1])[:t], tf.int64)
-            is_entry = toks != 0
-            idx = tf.boolean_mask(tf.cumsum(tf.where(is_entry, toks, _ESCAPE)) - 1, is_entry)
-            with tf.control_dependencies([_check(tf.equal(tf.size(idx), c), name, "has index "
-                                                 "tokens that do not match its header", rank)]):
-                return tf.identity(idx)
-
-        idx = tf.cond(int32_idx, lambda: tf.cast(iw, tf.int64), delta16)
-        vals = tf.cond(fp32, lambda: tf.bitcast(vw, tf.float32),
-                       lambda: tf.cast(tf.reshape(tf.bitcast(vw, tf.float16), [-1])[:c],
-                                       tf.float32))
-        with tf.control_dependencies([_check(tf.reduce_all((idx >= 0) & (idx < numel)), name,
-                                             "has an index outside the tensor", rank)]):
-            dense = tf.tensor_scatter_nd_add(dense, tf.reshape(idx, [-1, 1]), vals)
-        bad = tf.logical_or(tf.not_equal(bits.bitwise_and(flags, wire.FLAG_NONFINITE), 0),
-                            tf.logical_and(tf.logical_not(fp32),
-                                           tf.logical_not(tf.reduce_all(tf.math.is_finite(vals)))))
-        return rank + 1, end, dense, tf.logical_or(nonfinite, bad)
-
-    _, pos, dense, nonfinite = tf.while_loop(
+    acc = (tf.zeros([numel], tf.float32) if rank_loop else
+           (tf.TensorArray(tf.int64, 0, dynamic_size=True, infer_shape=False),
+            tf.TensorArray(tf.float32, 0, dynamic_size=True, infer_shape=False)))
+    _, pos, acc, nonfinite = tf.while_loop(
         lambda rank, *_: rank < world_size, body,
-        (tf.constant(0, tf.int32), tf.constant(0, tf.int32), tf.zeros([numel], tf.float32),
-         tf.constant(False)))
+        (tf.constant(0, tf.int32), tf.constant(0, tf.int32), acc, tf.constant(False)))
+    if not rank_loop:
+        idx, vals = acc[0].concat(), acc[1].concat()
+        acc = tf.scatter_nd(tf.reshape(idx, [-1, 1]), vals, [numel])
     with tf.control_dependencies([_check(tf.equal(pos, total), name, "is followed by "
                                          "unexpected trailing words after the last rank's")]):
-        return tf.identity(dense), tf.identity(nonfinite)
+        return tf.identity(acc), tf.identity(nonfinite)
 
 
 @_plain
@@ -294,7 +333,7 @@ def _threshold(clip_norm, world_size, average):
 class _Step:
     """The ops of one traced reduction that every tensor's compression reads (step_ops)."""
 
-    __slots__ = ("grads", "graph", "step", "density", "world", "clip", "draws")
+    __slots__ = ("grads", "graph", "active", "step", "density", "world", "clip", "draws")
 
 
 class GraphCore(DGCCore):
@@ -315,16 +354,14 @@ class GraphCore(DGCCore):
         self.use_kernels = False
         c = config
         with tf.init_scope():
-            self._step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="dgc_steps")
-            self._epoch_density = tf.Variable(self.density, dtype=tf.float64, trainable=False,
-                                              name="dgc_epoch_density")
+            self._step_var = variable(0, tf.int64)
+            self._epoch_density = variable(self.density, tf.float64)
         w = c.warmup_steps if c.warmup_epochs is None else 0
         self._densities = [density_at_step(i, c.compress_ratio, w, c.warmup_initial_density,
                                            c.warmup_per_step) for i in range(w + 1)]
         self._traced = {}       # name -> TensorState whose variables the graphs hold
         self._rows = {}         # name -> (row, acc): int64 variables of its statistics
         self._synced = 0        # the step counter when the statistics were last read
-        self._warned_rows = set()
         self._last = None
 
     # ------------------------------------------------------- the variables <-> the core
@@ -347,7 +384,7 @@ class GraphCore(DGCCore):
             if step is not None and last[-1] == steps:
                 for f, value in zip(FIELDS, last[:-1]):
                     setattr(step, f, getattr(step, f) + int(value))
-            self._warn_fp16(name, last)
+            self._warn_fp16(name, added)
         if step is not None:
             step.steps = 1
             step.density = rec.total.density = self.density
@@ -356,8 +393,8 @@ class GraphCore(DGCCore):
             rec.restart()
         self._synced = steps
 
-    def _warn_fp16(self, name, last):
-        over, flushed = (int(last[FIELDS.index(f)]) for f in ("overflowed_entries",
+    def _warn_fp16(self, name, added):
+        over, flushed = (int(added[FIELDS.index(f)]) for f in ("overflowed_entries",
                                                                "flushed_entries"))
         if flushed:
             self._warn_once("fp16_flush", (
@@ -375,18 +412,25 @@ class GraphCore(DGCCore):
                 "are counted in stats.overflowed_entries. Use a smaller loss scale, or "
                 "wire_values='float32'"))
 
-    def _push(self):
-        """The core's warm-up position and states into the variables the graphs hold (after a
-        load or set_step): a traced tensor takes its loaded u, v, wd (zeros when the checkpoint
-        has none) into its variables, which then stand in the core's states again."""
+    def _push_position(self):
+        """The core's warm-up position into the variables the graphs read (after a load or
+        set_step); the statistics rows restart (counted ones were read or replaced)."""
         self._step_var.assign(self._steps)
         self._synced = self._steps
-        self._epoch_density.assign(self.density)
-        for row, acc in self._rows.values():     # the loaded statistics stand instead
+        self._epoch_density.assign(DGCCore.density.fget(self))
+        for row, acc in self._rows.values():
             row.assign(tf.fill(row.shape, tf.constant(-1, tf.int64)))
             acc.assign(tf.zeros_like(acc))
+
+    def _push(self):
+        """After a load: the position (:meth:`_push_position`), and a traced tensor takes its
+        loaded u, v, wd (zeros when the checkpoint has none) into its variables, which then
+        stand in the core's states again."""
+        self._push_position()
         for name, st in self._traced.items():
             new = self.states.get(name)
+            if new is st:
+                continue
             for attr in ("u", "v", "wd"):
                 var = getattr(st, attr)
                 if var is not None:
@@ -414,11 +458,20 @@ class GraphCore(DGCCore):
         return super().state_dict(world_size, rank)
 
     def load_state_dict(self, state_dict, world_size=None, rank=None, reset_residuals=False):
-        tensors = state_dict.get("tensors") if isinstance(state_dict, dict) else None
-        if self._traced and not reset_residuals and isinstance(tensors, dict):
-            # the graphs exist and will not trace again: the fit is checked now, not at the
-            # next trace (nothing has changed yet)
-            self._check_fit(FitCheck(tensors), self._traced)
+        if self._traced:
+            # the graphs exist and may not trace again: the loaded states must fit the
+            # variables they hold, checked now, before anything changes
+            tensors = checkpoint.read(self.B, self.config, state_dict, world_size, rank,
+                                      reset_residuals)[0]
+            if not reset_residuals:
+                self._check_fit(FitCheck(tensors), self._traced)
+            for name, (numel, sparse, *_) in tensors.items():
+                st = self._traced.get(name)
+                if st is not None and (numel, sparse) != (st.numel, st.sparse):
+                    raise ValueError(
+                        f"DGC state_dict: tensor {name!r} has {numel} elements "
+                        f"({'sparse' if sparse else 'dense'}), but the traced step holds "
+                        f"{st.numel} ({'sparse' if st.sparse else 'dense'}): not this model's")
         super().load_state_dict(state_dict, world_size, rank, reset_residuals)
         self._push()
         if self._traced:
@@ -438,8 +491,10 @@ class GraphCore(DGCCore):
             fit.check_name(name)
 
     def set_step(self, step, steps_per_epoch=None):
+        self._pull()        # what the graphs counted so far, before the position moves
         super().set_step(step, steps_per_epoch)
-        self._push()
+        if self.config.warmup_epochs is None:
+            self._push_position()
 
     def set_epoch(self, epoch):
         super().set_epoch(epoch)
@@ -463,9 +518,15 @@ class GraphCore(DGCCore):
         s = _Step()
         s.grads, s.graph = grads, graph
         with graph.as_default(), tf.name_scope("DGC_step"):
-            s.step = self._step_var.assign_add(1, read_value=True)
+            # Horovod reduces only where its condition holds (_allreduce_cond: this rank in
+            # the process set, more than one rank); where not, compress never runs and, as
+            # in the eager core, the step does not count and no threshold is drawn
+            s.active = active_op(process_set)
+            s.step = tf.cond(s.active,
+                             lambda: self._step_var.assign_add(1, read_value=True),
+                             self._step_var.read_value)
             if c.warmup_epochs is None:
-                at = tf.minimum(s.step - 1, len(self._densities) - 1)
+                at = tf.clip_by_value(s.step - 1, 0, len(self._densities) - 1)
                 s.density = tf.gather(tf.constant(self._densities, tf.float64), at)
             else:
                 s.density = self._epoch_density.read_value()
@@ -484,7 +545,7 @@ class GraphCore(DGCCore):
                 ns = sample_count(n, c)
                 if ns and is_sparse(n, len(g.shape), c):
                     s.draws[id(g)] = tf.cond(
-                        2 * k_for(n, s.density) < n,
+                        tf.logical_and(s.active, 2 * k_for(n, s.density) < n),
                         lambda ns=ns: self._generator.uniform([ns], dtype=tf.float64),
                         lambda ns=ns: tf.zeros([ns], tf.float64))
         self._last = s
@@ -501,14 +562,13 @@ class GraphCore(DGCCore):
                 if st is None:
                     st = self._state(name, tf.zeros(tensor.shape, tf.float32))
                 else:       # loaded before the first trace: its values in new variables
-                    st.u, st.v, st.wd = (None if t is None else tf.Variable(
-                        tf.reshape(tf.cast(t, tf.float32), [-1]), trainable=False)
-                        for t in (st.u, st.v, st.wd))
+                    st.u, st.v, st.wd = (None if t is None else self.B.float32_flat(t)
+                                         for t in (st.u, st.v, st.wd))
                 if self.separate_weight_decay and self.config.momentum > 0 and st.wd is None:
                     st.wd = self.B.zeros(st.numel)
                 self._rows[name] = (
-                    tf.Variable(tf.zeros([len(FIELDS) + 1], tf.int64), trainable=False),
-                    tf.Variable(tf.zeros([len(FIELDS)], tf.int64), trainable=False))
+                    variable(tf.zeros([len(FIELDS) + 1], tf.int64)),
+                    variable(tf.zeros([len(FIELDS)], tf.int64)))
             self._traced[name] = st
             self.states[name] = st
         return st
@@ -550,7 +610,7 @@ class GraphCore(DGCCore):
         fp16 = c.wire_values == "float16"
 
         def send():
-            momentum_correction(B, st.u, st.v, acc, c.momentum, c.nesterov)
+            accumulate(B, st, acc, c)
             # delta16 needs the positions ascending: select gives them so; int32 sends them
             # in top_k's order, as the eager core does
             idx = select(tf.abs(st.v), k, draws, ascending=c.wire_index == "delta16")
@@ -667,6 +727,31 @@ class GraphCore(DGCCore):
         if c.nesterov:
             return (update + lam * w) + c.momentum * b
         return update + b
+
+
+def accumulate(B, st, g, config):
+    """Momentum correction (§3.1, eq. 5-6) on the tensor's variables, g already scaled by the
+    clipping factor: :func:`~dgc_horovod.core.accumulate.momentum_correction`; classic momentum as
+    one fused kernel, ``ResourceApplyMomentum`` with learning rate -1 (u ← u·m + g; v ← v + u:
+    on a CPU the same roundings as the two ops, checked bit for bit by tests/test_tf_graph.py;
+    on a GPU the kernel may fuse u·m + g into one rounding)."""
+    if config.momentum == 0.0 or config.nesterov:
+        momentum_correction(B, st.u, st.v, g, config.momentum, config.nesterov)
+        return
+    tf.raw_ops.ResourceApplyMomentum(var=st.v.handle, accum=st.u.handle,
+                                     lr=tf.constant(-1.0, tf.float32), grad=g,
+                                     momentum=tf.constant(config.momentum, tf.float32),
+                                     use_locking=False, use_nesterov=False)
+
+
+def active_op(process_set):
+    """Whether Horovod reduces in this step: its ``_allreduce_cond``'s condition (this rank in
+    the process set and more than one rank), as ops under ``HOROVOD_ELASTIC=1``."""
+    if int(os.environ.get("HOROVOD_ELASTIC", 0)):
+        ps = process_set.process_set_id
+        return tf.logical_and(tf.equal(hvd.process_set_included_op(ps), 1),
+                              tf.greater(hvd.size_op(ps), 1))
+    return tf.constant(bool(process_set.included() and process_set.size() > 1))
 
 
 def world_size_op(process_set):

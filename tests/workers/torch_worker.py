@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dgc_horovod.torch import DGC
+from timeline_flush import flush_timeline
 
 LR = 0.05
 
@@ -450,6 +451,8 @@ def run_scenarios(scenarios):
     results = {"size": hvd.size()}
     for scenario, prefix in scenarios:
         scenario(results, prefix)
+    flush_timeline(hvd.rank(), lambda name, value: float(
+        hvd.allreduce(torch.tensor([value]), name=name, op=hvd.Sum)[0]))
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
