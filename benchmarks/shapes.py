@@ -8,7 +8,7 @@
 """
 import math
 
-__all__ = ["resnet50", "deepspeech_like", "lstm_lm", "MODELS"]
+__all__ = ["resnet50", "deepspeech_like", "lstm_lm", "mnist_cnn", "MODELS"]
 
 
 def resnet50(num_classes=1000):
@@ -57,7 +57,16 @@ def lstm_lm(vocab=10000, hidden=1500, layers=2):
     return out
 
 
-MODELS = {"resnet50": resnet50, "deepspeech_like": deepspeech_like, "lstm_lm": lstm_lm}
+def mnist_cnn():
+    """The examples' MNIST CNN (examples/tf_model.py, pytorch_mnist.py's Net), Keras's shapes."""
+    return [("conv1/kernel", (5, 5, 1, 32)), ("conv1/bias", (32,)),
+            ("conv2/kernel", (5, 5, 32, 64)), ("conv2/bias", (64,)),
+            ("fc1/kernel", (3136, 256)), ("fc1/bias", (256,)),
+            ("fc2/kernel", (256, 10)), ("fc2/bias", (10,))]
+
+
+MODELS = {"resnet50": resnet50, "deepspeech_like": deepspeech_like, "lstm_lm": lstm_lm,
+          "mnist_cnn": mnist_cnn}
 
 if __name__ == "__main__":
     for name, fn in MODELS.items():

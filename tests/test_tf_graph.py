@@ -286,6 +286,9 @@ def test_graph_checkpoint_of_another_model_is_refused_before_anything_changes():
     ("another number of elements", lambda p: np.concatenate([p[:1], [p[1] + 1], p[2:]])),
     ("is truncated", lambda p: p[:-1]),
     ("unexpected trailing words", lambda p: np.concatenate([p, [0]])),
+    # a zero (escape) token where the header counts one token per entry
+    ("index tokens that do not match", lambda p: np.concatenate([p[:5], [p[5] & ~0xFFFF],
+                                                                  p[6:]])),
 ])
 def test_graph_decode_names_the_tensor_and_what_is_wrong(what, mangle):
     import tensorflow as tf
@@ -421,3 +424,44 @@ def test_graph_variables_made_at_a_later_trace():
         grads = hvd.DistributedGradientTape(tape, compression=dgc).gradient(loss, [a, b])
         assert (grads[1] is None) == (not use_b)
     assert len(dgc._core.states) == 2
+
+
+@pytest.mark.parametrize("positions", [[0, 1, 2, 65534], [70000], [3, 65539, 65540, 200000],
+                                       [131070, 131071, 262143]])
+def test_graph_encode_and_decode_with_escapes_equal_the_eager_wire(positions):
+    """Gaps beyond 65535 take escape tokens: the graph's payload is the eager encoder's, word
+    for word, and decodes to the same sum (with and without escapes)."""
+    import tensorflow as tf
+    from dgc_horovod.core import wire
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import decode_sum, encode
+
+    B, n = TFBackend(), 262144
+    idx = tf.constant(positions, tf.int64)
+    vals = tf.constant(np.arange(1, len(positions) + 1, dtype=np.float32))
+    eager = to_np(wire.encode(B, n, idx, vals, 0, "delta16"))
+    graph = to_np(tf.function(lambda i, v: encode(n, i, v))(idx, vals))
+    assert np.array_equal(eager, graph)
+    gathered = tf.constant(np.concatenate([graph, graph]))
+    dense, bad = tf.function(lambda g: decode_sum(g, n, tf.constant(2), "t"))(gathered)
+    want, _ = wire.decode_sum(B, gathered, n, 2)
+    assert _same(dense, want) and not bool(bad)
+    assert np.array_equal(np.flatnonzero(to_np(dense)), positions)
+
+
+@pytest.mark.parametrize("n, k, ties", [(1000, 10, False), (65536, 700, True),
+                                        (65537, 700, True), (300000, 3000, False),
+                                        (300000, 150000, True), (200000, 1, True)])
+def test_graph_top_k_ascending_is_top_k_sorted(n, k, ties):
+    """Both of top_k_ascending's ways (top-k sorted up to 65536 elements, the histogram beyond)
+    give tf.math.top_k's positions, ascending: among equal values the lower positions."""
+    import tensorflow as tf
+    from dgc_horovod.tensorflow.graph import top_k_ascending
+
+    rng = np.random.default_rng(n + k)
+    mag = np.abs(rng.standard_normal(n)).astype(np.float32)
+    if ties:        # a few distinct values: ties across the k-th largest
+        mag = np.round(mag * 4) / 4
+    got = to_np(tf.function(top_k_ascending)(tf.constant(mag), tf.constant(k, tf.int64)))
+    want = np.sort(to_np(tf.math.top_k(tf.constant(mag), k, sorted=False).indices))
+    assert np.array_equal(got, want)
