@@ -111,9 +111,13 @@ def top_k_ascending(mag, k):
     order as their int32 bit patterns, so one histogram of the top 15 bits finds the bin that
     holds the k-th largest, a top-k of that bin alone its value t, and the result is every
     element above t and the first of those equal to t."""
-    return tf.cond(tf.size(mag) <= _SMALL,
-                   lambda: tf.cast(tf.sort(tf.cast(_topk(mag, k), tf.int32)), tf.int64),
-                   lambda: _histogram_top_k(mag, k))
+    def small():
+        return tf.cast(tf.sort(tf.cast(_topk(mag, k), tf.int32)), tf.int64)
+
+    n = mag.shape[0]
+    if n is not None:       # a static size (a whole tensor) picks one at trace time
+        return small() if n <= _SMALL else _histogram_top_k(mag, k)
+    return tf.cond(tf.size(mag) <= _SMALL, small, lambda: _histogram_top_k(mag, k))
 
 
 def _histogram_top_k(mag, k):
@@ -383,6 +387,7 @@ class GraphCore(DGCCore):
         self._rows = {}         # name -> (row, acc): int64 variables of its statistics
         self._synced = 0        # the step counter when the statistics were last read
         self._last = None
+        self._functions = {}    # (what, name, average) -> (TensorState, its tf.function)
 
     # ------------------------------------------------------- the variables <-> the core
     def _pull(self):
@@ -594,14 +599,41 @@ class GraphCore(DGCCore):
         return st
 
     # ------------------------------------------------------- trace time: one tensor
+    def _function(self, what, name, st, average, body):
+        """The ``tf.function`` that holds ``what`` ("compress", "decompress") of tensor ``name``,
+        made at its first trace and kept: a ``tf.function`` whose first run creates variables
+        (DGC's, the optimizer's) is traced twice, and a second trace of the step calls the same
+        functions again instead of rebuilding their thousands of ops. TensorFlow inlines them
+        into the step when it optimises the graph. Its inputs are tensors (or None); it reads
+        only the tensor's variables (``st``) and the core's."""
+        key = (what, name, average)
+        held = self._functions.get(key)
+        if held is None or held[0] is not st:
+            held = self._functions[key] = (st, tf.function(body, autograph=False))
+        return held[1]
+
     @_plain
     def compress_ops(self, name, grad, step, average=True, param=None):
         """Steps 2-5 for one gradient (any floating dtype and shape), in Horovod's branch:
         (kind, out, ctx). ``kind`` "dense": ``out`` the flat float32 velocity to allreduce;
         "sparse": the int32 payload to allgather. ``step``: :meth:`step_ops`'s; ``average``:
-        op=Average (else Sum); ``param``: the variable (accumulated weight decay)."""
-        c, B = self.config, self.B
+        op=Average (else Sum); ``param``: the variable (accumulated weight decay). The ops are
+        those of a ``tf.function`` kept per tensor (:meth:`_function`)."""
         st = self._traced_state(name, grad)
+        draws = step.draws.get(id(grad)) if not self.config.exact_topk else None
+
+        def body(grad, density, clip, world, draws, param):
+            inputs = _Step()
+            inputs.density, inputs.clip, inputs.world = density, clip, world
+            return self._compress(st, grad, inputs, draws, average, param)
+
+        fn = self._function("compress", name, st, average, body)
+        out, stats, sent = fn(grad, step.density, step.clip, step.world, draws, param)
+        return ("sparse" if st.sparse else "dense"), out, (st, stats, sent)
+
+    def _compress(self, st, grad, step, draws, average, param):
+        """:meth:`compress_ops`'s ops: (out, the statistics row, the sent entries or None)."""
+        c, B = self.config, self.B
         n = st.numel
         g = tf.reshape(tf.cast(grad, tf.float32), [-1])
         # the eager core's _accumulated: (the gradient checked and accumulated, the clipping
@@ -623,8 +655,7 @@ class GraphCore(DGCCore):
             stats = tf.stack([tf.constant(v, tf.int64) for v in row + [0, 4 * n, 4 * n, 4 * n]]
                              + [tf.cast(tf.logical_not(finite), tf.int64)]
                              + [tf.constant(0, tf.int64)] * 2)
-            return "dense", out, (st, stats, None)
-        draws = step.draws.get(id(grad)) if not c.exact_topk else None
+            return out, stats, None
         k = k_for(n, step.density)
         masked = c.momentum_masking and st.u is not None
         fp16 = c.wire_values == "float16"
@@ -658,7 +689,7 @@ class GraphCore(DGCCore):
                                      tf.constant(0, tf.int64),
                                      tf.constant(4 * n, tf.int64),
                                      tf.cast(tf.logical_not(finite), tf.int64)]), counts], 0)
-        return "sparse", payload, (st, stats, (idx, vals, u_sent, keep))
+        return payload, stats, (idx, vals, u_sent, keep)
 
     def _round_to_fp16(self, st, idx, vals):
         """:func:`~dgc_horovod.core.precision.round_to_fp16` as ops: (the values to send, whether
@@ -697,8 +728,21 @@ class GraphCore(DGCCore):
     def decompress_ops(self, name, result, ctx, step, words, average, param=None):
         """Step 6, in Horovod's branch: the flat float32 update of ``name`` from ``result`` (the
         allgathered payloads of a sparsified tensor, or the allreduced velocity of a dense one).
-        ``words``: this rank's payload length (int32 words), for the statistics."""
+        ``words``: this rank's payload length (int32 words), for the statistics. The ops are
+        those of a ``tf.function`` kept per tensor (:meth:`_function`)."""
         st, stats, sent = ctx
+
+        def body(result, stats, sent, world, step_count, words, param):
+            inputs = _Step()
+            inputs.world, inputs.step = world, step_count
+            return self._decompress(name, st, result, stats, sent, inputs, words, average,
+                                    param)
+
+        fn = self._function("decompress", name, st, average, body)
+        return fn(result, stats, sent, step.world, step.step, words, param)
+
+    def _decompress(self, name, st, result, stats, sent, step, words, average, param):
+        """:meth:`decompress_ops`'s ops."""
         c = self.config
         if sent is None:
             update = result
