@@ -143,3 +143,24 @@ def test_tf_graph_cost_runs_every_line():
     for label in ("one memory pass", "DGC in the graph", "C kernels", "TF ops"):
         assert re.search(label + r".* [\d.]+ ms +[\d.]+x", proc.stdout), proc.stdout
     assert re.search(r"the traced step: [\d,]+ ops", proc.stdout), proc.stdout
+
+
+@pytest.mark.horovodrun
+def test_tf_step_phases_reports_both_variants():
+    """benchmarks/tf_step_phases.py splits the TensorFlow example's step into trace, first run,
+    warm-up and later steps for dense and DGC under horovodrun (the times themselves are
+    measured in docs/performance.md); a bad argument is refused."""
+    import re
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "benchmarks/tf_step_phases.py", "--steps", "12",
+                           "--warmup-steps", "4"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for variant in ("none", "dgc"):
+        assert re.search(rf"{variant}: trace +[\d.]+ s \| first run +[\d.]+ s \| warm-up +[\d.]+ s "
+                         rf"\( *[\d.]+ ms/step\) \| after +[\d.]+ s", proc.stdout), proc.stdout
+    bad = subprocess.run([sys.executable, "benchmarks/tf_step_phases.py", "--steps", "4",
+                          "--warmup-steps", "4"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--warmup-steps" in bad.stderr

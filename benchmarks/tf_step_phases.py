@@ -1,0 +1,108 @@
+"""Where DGC's extra wall time goes in TensorFlow: the example's ``train_step`` split into its
+phases, dense (``hvd.Compression.none``) against DGC in the graph (the default), side by side.
+
+Each variant runs under ``horovodrun -np 2 -H localhost:2 --gloo``: the model of
+``examples/tf_model.py``, the example's traced step (``hvd.DistributedGradientTape``, SGD, one
+intra-op thread, two inter-op threads), 32 random digits per rank and step. Rank 0 prints
+
+- ``trace``: ``train_step.get_concrete_function()`` (TensorFlow traces a step twice when its first
+  run creates variables, DGC's and the optimizer's);
+- ``first run``: the first step (TensorFlow optimises the graph and makes its kernels);
+- ``warm-up``: steps 1 .. warmup-1 (DGC's density falls from 25% to the target);
+- ``after``: the remaining steps; each with its sum and the median step.
+
+    python benchmarks/tf_step_phases.py [--steps 630] [--warmup-steps 63]
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _inner(variant, steps, warmup):
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import numpy as np
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    from dgc_horovod.tensorflow import DGC
+    from tf_model import make_model
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.keras.utils.set_random_seed(1)
+    model = make_model()
+    if variant == "dgc":
+        comp = DGC(momentum=0.9, warmup_steps=warmup)
+        opt = tf.keras.optimizers.SGD(0.02, momentum=0.0)
+    else:
+        comp = hvd.Compression.none
+        opt = tf.keras.optimizers.SGD(0.02, momentum=0.9)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 28, 28, 1], tf.float32),
+                                  tf.TensorSpec([None], tf.int64)])
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape, compression=comp)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.random((2048, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, 2048)
+    t0 = time.perf_counter()
+    train_step.get_concrete_function()
+    trace = time.perf_counter() - t0
+    ts = []
+    for s in range(steps):
+        b = slice(s % 64 * 32, s % 64 * 32 + 32)
+        t0 = time.perf_counter()
+        float(train_step(x[b], y[b]))
+        ts.append(time.perf_counter() - t0)
+    if hvd.rank() == 0:
+        w, a = ts[1:warmup], ts[max(warmup, 1):]
+        med = lambda v: 1e3 * float(np.median(v)) if v else 0.0     # noqa: E731
+        print(f"RESULT {variant:>5}: trace {trace:5.2f} s | first run {ts[0]:5.2f} s | warm-up "
+              f"{sum(w):5.2f} s ({med(w):5.1f} ms/step) | after {sum(a):6.2f} s "
+              f"({med(a):5.1f} ms/step) | total {trace + sum(ts):6.2f} s", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=630, help="steps per variant")
+    ap.add_argument("--warmup-steps", type=int, default=63, help="DGC's warm-up length")
+    ap.add_argument("--inner", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.steps < 2 or not 0 <= args.warmup_steps < args.steps:
+        ap.error("--steps must be >= 2 and --warmup-steps in [0, steps)")
+    if args.inner:
+        return _inner(args.inner, args.steps, args.warmup_steps)
+    bindir = os.path.dirname(sys.executable)
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3",
+               PATH=bindir + os.pathsep + os.environ.get("PATH", ""),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
+          f"{os.getloadavg()[0]:.1f}, {args.steps} steps, warm-up {args.warmup_steps}, "
+          f"2 ranks (Gloo)")
+    for variant in ("none", "dgc"):
+        proc = subprocess.run(
+            [os.path.join(bindir, "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+             sys.executable, os.path.abspath(__file__), "--inner", variant,
+             "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps)],
+            cwd=ROOT, env=env, capture_output=True, text=True)
+        lines = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if "RESULT " in ln]
+        if proc.returncode != 0 or not lines:
+            raise SystemExit(f"{variant}: failed (exit {proc.returncode}):\n"
+                             f"{(proc.stdout + proc.stderr)[-3000:]}")
+        print(lines[0], flush=True)
+
+
+if __name__ == "__main__":
+    main()
