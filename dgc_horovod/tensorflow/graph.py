@@ -387,7 +387,7 @@ class GraphCore(DGCCore):
         self._rows = {}         # name -> (row, acc): int64 variables of its statistics
         self._synced = 0        # the step counter when the statistics were last read
         self._last = None
-        self._functions = {}    # (what, name, average) -> (TensorState, its tf.function)
+        self._functions = {}    # (what, name, average) -> its tf.function (_function)
 
     # ------------------------------------------------------- the variables <-> the core
     def _pull(self):
@@ -599,18 +599,19 @@ class GraphCore(DGCCore):
         return st
 
     # ------------------------------------------------------- trace time: one tensor
-    def _function(self, what, name, st, average, body):
+    def _function(self, what, name, average, body):
         """The ``tf.function`` that holds ``what`` ("compress", "decompress") of tensor ``name``,
         made at its first trace and kept: a ``tf.function`` whose first run creates variables
         (DGC's, the optimizer's) is traced twice, and a second trace of the step calls the same
         functions again instead of rebuilding their thousands of ops. TensorFlow inlines them
         into the step when it optimises the graph. Its inputs are tensors (or None); it reads
-        only the tensor's variables (``st``) and the core's."""
+        only the tensor's variables (its traced state, which stays the same object: a load
+        assigns into it) and the core's."""
         key = (what, name, average)
-        held = self._functions.get(key)
-        if held is None or held[0] is not st:
-            held = self._functions[key] = (st, tf.function(body, autograph=False))
-        return held[1]
+        fn = self._functions.get(key)
+        if fn is None:
+            fn = self._functions[key] = tf.function(body, autograph=False)
+        return fn
 
     @_plain
     def compress_ops(self, name, grad, step, average=True, param=None):
@@ -623,25 +624,24 @@ class GraphCore(DGCCore):
         draws = step.draws.get(id(grad)) if not self.config.exact_topk else None
 
         def body(grad, density, clip, world, draws, param):
-            inputs = _Step()
-            inputs.density, inputs.clip, inputs.world = density, clip, world
-            return self._compress(st, grad, inputs, draws, average, param)
+            return self._compress(st, average, grad, density, clip, world, draws, param)
 
-        fn = self._function("compress", name, st, average, body)
+        fn = self._function("compress", name, average, body)
         out, stats, sent = fn(grad, step.density, step.clip, step.world, draws, param)
         return ("sparse" if st.sparse else "dense"), out, (st, stats, sent)
 
-    def _compress(self, st, grad, step, draws, average, param):
-        """:meth:`compress_ops`'s ops: (out, the statistics row, the sent entries or None)."""
+    def _compress(self, st, average, grad, density, clip, world, draws, param):
+        """:meth:`compress_ops`'s ops: (out, the statistics row, the sent entries or None);
+        ``density``, ``clip``, ``world``: :meth:`step_ops`'s."""
         c, B = self.config, self.B
         n = st.numel
         g = tf.reshape(tf.cast(grad, tf.float32), [-1])
         # the eager core's _accumulated: (the gradient checked and accumulated, the clipping
         # factor still to apply)
-        scale = step.clip
+        scale = clip
         if c.clip_norm is not None and c.clip_scope == "tensor":
             norm = tf.cast(tf.norm(g), tf.float64)
-            scale = tf.cast(tf.minimum(tf.constant(1.0, tf.float64), _threshold(c.clip_norm, step.world, average)
+            scale = tf.cast(tf.minimum(tf.constant(1.0, tf.float64), _threshold(c.clip_norm, world, average)
                                        / (norm + 1e-6)), tf.float32)
         if self.needs_param:
             w = tf.reshape(tf.cast(param, tf.float32), [-1])
@@ -656,7 +656,7 @@ class GraphCore(DGCCore):
                              + [tf.cast(tf.logical_not(finite), tf.int64)]
                              + [tf.constant(0, tf.int64)] * 2)
             return out, stats, None
-        k = k_for(n, step.density)
+        k = k_for(n, density)
         masked = c.momentum_masking and st.u is not None
         fp16 = c.wire_values == "float16"
 
@@ -733,23 +733,22 @@ class GraphCore(DGCCore):
         st, stats, sent = ctx
 
         def body(result, stats, sent, world, step_count, words, param):
-            inputs = _Step()
-            inputs.world, inputs.step = world, step_count
-            return self._decompress(name, st, result, stats, sent, inputs, words, average,
-                                    param)
+            return self._decompress(name, st, average, result, stats, sent, world, step_count,
+                                    words, param)
 
-        fn = self._function("decompress", name, st, average, body)
+        fn = self._function("decompress", name, average, body)
         return fn(result, stats, sent, step.world, step.step, words, param)
 
-    def _decompress(self, name, st, result, stats, sent, step, words, average, param):
-        """:meth:`decompress_ops`'s ops."""
+    def _decompress(self, name, st, average, result, stats, sent, world, step_count, words,
+                    param):
+        """:meth:`decompress_ops`'s ops; ``world``, ``step_count``: :meth:`step_ops`'s."""
         c = self.config
         if sent is None:
             update = result
             received = tf.constant(0, tf.int64)
         else:
             idx, vals, u_sent, keep = sent
-            dense, nonfinite = decode_sum(result, st.numel, step.world, name)
+            dense, nonfinite = decode_sum(result, st.numel, world, name)
             received = 4 * (tf.size(result, out_type=tf.int64) - words)
 
             def bad():
@@ -763,14 +762,14 @@ class GraphCore(DGCCore):
 
             def good():
                 if average:
-                    return tf.cond(step.world > 1, lambda: dense * tf.cast(
-                        1.0 / tf.cast(step.world, tf.float64), tf.float32), lambda: dense)
+                    return tf.cond(world > 1, lambda: dense * tf.cast(
+                        1.0 / tf.cast(world, tf.float64), tf.float32), lambda: dense)
                 return dense
 
             update = tf.cond(nonfinite, bad, good)
         row, acc = self._rows[name]
         stats = tf.tensor_scatter_nd_add(stats, [[_RECEIVED]], [received])
-        row.assign(tf.concat([stats, [step.step]], 0))
+        row.assign(tf.concat([stats, [step_count]], 0))
         acc.assign_add(stats)
         if self.separate_weight_decay:
             w = tf.reshape(tf.cast(param, tf.float32), [-1])
