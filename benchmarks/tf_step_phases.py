@@ -2,8 +2,9 @@
 phases, dense (``hvd.Compression.none``) against DGC in the graph (the default), side by side.
 
 Each variant runs under ``horovodrun -np 2 -H localhost:2 --gloo``: the model of
-``examples/tf_model.py``, the example's traced step (``hvd.DistributedGradientTape``, SGD, one
-intra-op thread, two inter-op threads), 32 random digits per rank and step. Rank 0 prints
+``examples/tf_model.py``, the example's traced step (``make_train_step`` of
+``examples/tensorflow2_mnist.py``: ``hvd.DistributedGradientTape``, SGD; one intra-op thread,
+two inter-op threads), 32 random digits per rank and step. Rank 0 prints
 
 - ``trace``: ``train_step.get_concrete_function()`` (TensorFlow traces a step twice when its first
   run creates variables, DGC's and the optimizer's);
@@ -30,6 +31,7 @@ def _inner(variant, steps, warmup):
     import tensorflow as tf
     import horovod.tensorflow as hvd
     from dgc_horovod.tensorflow import DGC
+    from tensorflow2_mnist import make_train_step
     from tf_model import make_model
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -42,18 +44,7 @@ def _inner(variant, steps, warmup):
     else:
         comp = hvd.Compression.none
         opt = tf.keras.optimizers.SGD(0.02, momentum=0.9)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function(input_signature=[tf.TensorSpec([None, 28, 28, 1], tf.float32),
-                                  tf.TensorSpec([None], tf.int64)])
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape, compression=comp)
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    train_step = make_train_step(model, opt, comp)
     rng = np.random.default_rng(hvd.rank())
     x = rng.random((2048, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, 2048)

@@ -42,6 +42,25 @@ from tf_model import make_model  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- main
+def make_train_step(model, opt, compression):
+    """The traced training step: the loss, Horovod's tape with ``compression`` (DGC or one of
+    Horovod's), the optimizer's update; returns the loss (``benchmarks/tf_step_phases.py``
+    times this step)."""
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 28, 28, 1], tf.float32),
+                                  tf.TensorSpec([None], tf.int64)])
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape, compression=compression)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return train_step
+
+
 def main():
     args = parse_args("Horovod TensorFlow 2 (custom loop) MNIST example with Deep Gradient "
                       "Compression")
@@ -71,17 +90,7 @@ def main():
 
     # Identical initial weights on every rank (the seed already makes them so; this guarantees it).
     hvd.broadcast_variables(model.variables, root_rank=0)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function(input_signature=[tf.TensorSpec([None, 28, 28, 1], tf.float32),
-                                  tf.TensorSpec([None], tf.int64)])
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape, compression=compression)
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    train_step = make_train_step(model, opt, compression)
 
     @tf.function(input_signature=[tf.TensorSpec([None, 28, 28, 1], tf.float32)])
     def predict(x):
