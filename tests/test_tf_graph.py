@@ -449,12 +449,15 @@ def test_graph_encode_and_decode_with_escapes_equal_the_eager_wire(positions):
     assert np.array_equal(np.flatnonzero(to_np(dense)), positions)
 
 
+@pytest.mark.parametrize("static", [True, False], ids=["static-size", "dynamic-size"])
 @pytest.mark.parametrize("n, k, ties", [(1000, 10, False), (65536, 700, True),
                                         (65537, 700, True), (300000, 3000, False),
                                         (300000, 150000, True), (200000, 1, True)])
-def test_graph_top_k_ascending_is_top_k_sorted(n, k, ties):
+def test_graph_top_k_ascending_is_top_k_sorted(n, k, ties, static):
     """Both of top_k_ascending's ways (top-k sorted up to 65536 elements, the histogram beyond)
-    give tf.math.top_k's positions, ascending: among equal values the lower positions."""
+    give tf.math.top_k's positions, ascending: among equal values the lower positions; chosen
+    at trace time for a static size (a whole tensor), by a tf.cond for a size known only when
+    the step runs (the candidates)."""
     import tensorflow as tf
     from dgc_horovod.tensorflow.graph import top_k_ascending
 
@@ -462,6 +465,8 @@ def test_graph_top_k_ascending_is_top_k_sorted(n, k, ties):
     mag = np.abs(rng.standard_normal(n)).astype(np.float32)
     if ties:        # a few distinct values: ties across the k-th largest
         mag = np.round(mag * 4) / 4
-    got = to_np(tf.function(top_k_ascending)(tf.constant(mag), tf.constant(k, tf.int64)))
+    spec = [tf.TensorSpec([n if static else None], tf.float32), tf.TensorSpec([], tf.int64)]
+    fn = tf.function(top_k_ascending, input_signature=spec)
+    got = to_np(fn(tf.constant(mag), tf.constant(k, tf.int64)))
     want = np.sort(to_np(tf.math.top_k(tf.constant(mag), k, sorted=False).indices))
     assert np.array_equal(got, want)
