@@ -12,12 +12,14 @@ loop's wall clock as the example measures it, rank 0):
   eagerly; on a machine without a GPU on the NumPy backend and the fused C kernels
   (:mod:`dgc_horovod.tensorflow.host`), the default before 2026-12-05;
 - ``dgc-tf-ops`` (``--tf-ops``): ``DGC(in_graph=False, device="gpu")``, the same on eager
-  TensorFlow ops (what a GPU machine ran before 2026-12-05; here on the CPU).
+  TensorFlow ops (what a GPU machine ran before 2026-12-05; here on the CPU);
+- ``dgc-per-tensor`` (``--per-tensor``): ``DGC(bucket_numel=0)``, in the graph with one
+  allgather per tensor instead of one per bucket (the in-graph default before 2026-12-06).
 
 The example is run unchanged; the last two through this script with ``DGC``'s defaults patched.
 Prints one line per run and, per variant, the median wall time and its ratio to ``none``.
 
-    python benchmarks/tf_mnist_wall.py [--rounds 1] [--epochs 10] [--tf-ops]
+    python benchmarks/tf_mnist_wall.py [--rounds 1] [--epochs 10] [--tf-ops] [--per-tensor]
 """
 import argparse
 import os
@@ -34,7 +36,8 @@ EXAMPLE = os.path.join(ROOT, "examples", "tensorflow2_mnist.py")
 
 #: the DGC keyword arguments each variant patches in (None: the example runs unchanged)
 VARIANTS = {"none": None, "dgc": None, "dgc-host": {"in_graph": False},
-            "dgc-tf-ops": {"in_graph": False, "device": "gpu"}}
+            "dgc-tf-ops": {"in_graph": False, "device": "gpu"},
+            "dgc-per-tensor": {"bucket_numel": 0}}
 
 
 def _inner(variant, argv):
@@ -76,12 +79,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="runs of each variant, interleaved")
     ap.add_argument("--epochs", type=int, default=10, help="the example's --epochs")
     ap.add_argument("--tf-ops", action="store_true", help="also run DGC on eager TF ops")
+    ap.add_argument("--per-tensor", action="store_true",
+                    help="also run DGC in the graph with one allgather per tensor")
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:
         return _inner(args.inner, args.rest)
-    variants = ["none", "dgc", "dgc-host"] + (["dgc-tf-ops"] if args.tf_ops else [])
+    variants = (["none", "dgc", "dgc-host"] + (["dgc-tf-ops"] if args.tf_ops else [])
+                + (["dgc-per-tensor"] if args.per_tensor else []))
     walls = {v: [] for v in variants}
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
           f"{os.getloadavg()[0]:.1f}, {args.epochs} epochs, 2 ranks (Gloo)")

@@ -111,19 +111,19 @@ def test_ddp_peers_beside_dgc(tmp_path):
 @pytest.mark.horovodrun
 def test_tf_mnist_wall_runs_each_variant():
     """benchmarks/tf_mnist_wall.py launches the TensorFlow example once per variant (dense, DGC
-    in the graph, DGC in tf.py_function on the C kernels and on eager TF ops, through its patched
-    defaults) and reads each run's result: one epoch each, every one must train (the ratio itself
+    in the graph in buckets and per tensor, DGC in tf.py_function on the C kernels and on eager
+    TF ops, through its patched defaults) and reads each run's result: one epoch each, every one must train (the ratio itself
     is measured in docs/performance.md)."""
     import re
     import subprocess
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "benchmarks/tf_mnist_wall.py", "--epochs", "1",
-                           "--tf-ops"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "--tf-ops", "--per-tensor"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     accs = dict(re.findall(r"round 1 +(\S+): wall +[\d.]+ s, final test accuracy ([\d.]+)%",
                            proc.stdout))
-    assert set(accs) == {"none", "dgc", "dgc-host", "dgc-tf-ops"}, proc.stdout
+    assert set(accs) == {"none", "dgc", "dgc-host", "dgc-tf-ops", "dgc-per-tensor"}, proc.stdout
     assert all(float(a) > 50.0 for a in accs.values()), accs
     assert re.search(r"dgc-tf-ops: median wall +[\d.]+ s, [\d.]+x none", proc.stdout)
 

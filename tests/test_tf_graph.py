@@ -330,6 +330,81 @@ def test_graph_decode_one_scatter_equals_the_rank_loop():
     assert _same(one[0], loop[0]) and _same(one[0], eager)
 
 
+def _bucket_segments(B, n_ranks=3):
+    """Each rank's payloads for a bucket of members of 5000, 300 and 70000 elements (delta16,
+    int32, float16 values, an escape gap), framed by the eager wire.frame_bucket."""
+    import tensorflow as tf
+    from dgc_horovod.core import wire
+
+    rng, sizes = np.random.default_rng(11), [5000, 300, 70000]
+    formats = [("delta16", "float32"), ("int32", "float32"), ("delta16", "float16")]
+    payloads = []
+    for r in range(n_ranks):
+        mine = []
+        for n, (index, values) in zip(sizes, formats):
+            idx = np.sort(rng.choice(n, 40, replace=False))
+            vals = rng.standard_normal(40).astype(np.float32)
+            mine.append(to_np(wire.encode(B, n, tf.constant(idx, tf.int64), tf.constant(vals),
+                                          0, index, values)))
+        payloads.append(mine)
+    return sizes, payloads
+
+
+@pytest.mark.parametrize("rank_loop", [False, True], ids=["segment-sum", "rank-loop"])
+def test_graph_bucket_frame_and_decode_equal_the_eager_wire(rank_loop):
+    """A bucket's segment in the graph is the eager frame_bucket's, word for word, and each
+    member decodes to the eager split_bucket + decode_sum of it (3 ranks, three wire formats);
+    the members' word counts add up to the allgather (the statistics' received bytes)."""
+    import tensorflow as tf
+    from dgc_horovod.core import wire
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import decode_bucket, frame_bucket
+
+    B = TFBackend()
+    sizes, payloads = _bucket_segments(B)
+    segments = []
+    for mine in payloads:
+        eager = to_np(wire.frame_bucket(B, list(enumerate(tf.constant(p) for p in mine)),
+                                        like=tf.constant(mine[0])))
+        graph = to_np(tf.function(frame_bucket)([tf.constant(p) for p in mine]))
+        assert np.array_equal(eager, graph)
+        segments.append(graph)
+    gathered = tf.constant(np.concatenate(segments))
+    names = ["a:0", "b:0", "c:0"]
+    out = tf.function(lambda g: decode_bucket(g, sizes, names, tf.constant(3), "bucket.a:0",
+                                              rank_loop=rank_loop))(gathered)
+    parts = wire.split_bucket(B, gathered, 3, 3)
+    for (dense, bad, _), n, member in zip(out, sizes, parts):
+        want, nonfinite = wire.decode_sum(B, tf.concat(member, 0), n, 3)
+        assert _same(dense, want) and bool(bad) == bool(nonfinite) is False
+    assert sum(int(w) for _, _, w in out) == int(tf.size(gathered))
+
+
+@pytest.mark.parametrize("what, mangle", [
+    ("another header than a DGC bucket", lambda s: np.concatenate([[s[0] + 1], s[1:]])),
+    ("entry count differs from its 3 tensors", lambda s: np.concatenate([s[:1], [2], s[2:]])),
+    ("names another member where member 0", lambda s: np.concatenate([s[:2], [1], s[3:]])),
+    ("is truncated", lambda s: s[:-3]),
+    ("unexpected trailing words", lambda s: np.concatenate([s, [7]])),
+])
+def test_graph_bucket_decode_names_the_bucket_and_what_is_wrong(what, mangle):
+    """A malformed segment (rank 1's) stops the step with an error naming the bucket (or the
+    member's tensor, for a payload cut short), what is wrong, and the rank."""
+    import tensorflow as tf
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.tensorflow.graph import decode_bucket, frame_bucket
+
+    B = TFBackend()
+    sizes, payloads = _bucket_segments(B, 2)
+    segments = [to_np(tf.function(frame_bucket)([tf.constant(p) for p in mine]))
+                for mine in payloads]
+    gathered = np.concatenate([segments[0], mangle(segments[1])]).astype(np.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=what) as e:
+        tf.function(lambda g: decode_bucket(g, sizes, ["a:0", "b:0", "c:0"], tf.constant(2),
+                                            "bucket.a:0"))(tf.constant(gathered))
+    assert ("bucket.a:0" in str(e.value) or "c:0" in str(e.value)) and "rank" in str(e.value)
+
+
 def test_graph_set_step_keeps_the_counted_statistics():
     """set_step moves the warm-up position; what the graphs counted before stays in the
     statistics (read or not), and with warmup_epochs the step counter is left as it is."""

@@ -86,17 +86,35 @@ def test_global_clipping_and_separate_weight_decay_match_dense_transcriptions(ru
     assert r["wd_buffers"] == ["fc1/bias:0", "fc1/kernel:0", "fc2/bias:0", "fc2/kernel:0"]
 
 
+@pytest.mark.parametrize("case", ["default", "nesterov_wd"])
+def test_buckets_equal_one_allgather_per_tensor_bit_for_bit(run, case):
+    """bucket_numel=0 (one allgather per tensor), the default (one bucket here) and 5000 (two
+    buckets): the same parameters and states bit for bit, a NaN step skipped alike; each
+    bucket's framing costs 12 bytes per step for its first member, 4 for each other one."""
+    r = run["buckets"][case]
+    for b in ("0", "4194304", "5000"):
+        assert r[b]["same_params"] and r[b]["same_states"] and r[b]["identical"], b
+        assert r[b]["skipped"] == [False, False, False, True, False, False, False, False]
+        assert r[b]["selected"] == r["0"]["selected"]
+    steps = 8
+    for b, framing in (("4194304", 12 + 4), ("5000", 12 + 12)):
+        assert r[b]["wire"] - r["0"]["wire"] == steps * framing
+        assert r[b]["received"] - r["0"]["received"] == steps * framing
+
+
 def test_keras_momentum_in_both_places_is_an_error(run):
     msg = run["keras_momentum_twice"]
     assert msg is not None and "momentum would be applied twice" in msg
 
 
-@pytest.mark.parametrize("scenario", ["wire", "wire_host"])
+@pytest.mark.parametrize("scenario", ["wire", "wire_per_tensor", "wire_host"])
 def test_wire_bytes_match_statistics(tmp_path, scenario):
     """The statistics count exactly the bytes of Horovod's collectives in its timeline. In the
     graph (default) a sparsified tensor's placeholder allreduce is pruned by TensorFlow (its
-    result is unused), so only its allgather runs; with in_graph=False (wire_host) the placeholder
-    goes through Horovod's allreduce, 4 bytes each way."""
+    result is unused), so only its allgather runs: one per bucket (this model's two sparsified
+    tensors share one, named after the first), or with bucket_numel=0 one per tensor; with
+    in_graph=False (wire_host) one per tensor, and the placeholder goes through Horovod's
+    allreduce, 4 bytes each way."""
     out, timeline = tmp_path / "results.json", tmp_path / "timeline.json"
     horovodrun(["tests/workers/tf_worker.py", "--out", str(out), "--scenarios", scenario],
                env=dict(TF_ENV, HOROVOD_TIMELINE=str(timeline)))
@@ -105,9 +123,13 @@ def test_wire_bytes_match_statistics(tmp_path, scenario):
     steps = 5
     # named HorovodAllgather_DGC_<variable>: hvd.elastic.run must recognize a failure of it
     gathered = [(n, s) for n, d, s in events if "HorovodAllgather_DGC_" in n]
+    if scenario == "wire":
+        assert all(n.endswith("HorovodAllgather_DGC_bucket.fc1_kernel_0") for n, _ in gathered)
+        assert len(gathered) == steps
+    else:
+        assert len(gathered) == steps * len(w["sparse"])
     reduced = [(n, s) for n, d, s in events
                if "DistributedGradientTape_Allreduce" in n and "HorovodAllreduce" in n]
-    assert len(gathered) == steps * len(w["sparse"])
     placeholders = [s for _, s in reduced if s == [1]]
     with_placeholders = scenario == "wire_host"
     assert len(placeholders) == steps * len(w["sparse"]) * with_placeholders  # O(1) per tensor

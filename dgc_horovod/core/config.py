@@ -218,12 +218,14 @@ class DGCConfig:
         warmup_per_step (bool): False (paper): density changes in stages (each quarter of
             ``warmup_steps``, or each whole epoch). True: it falls smoothly.
         seed (int): seed of the random sampling used by the threshold estimate.
-        bucket_numel (int): adapters that support it (PyTorch) send the payloads of several
-            tensors in one allgather: consecutive parameters (in reverse registration order,
-            roughly the order backward produces them) are grouped until their dense size
-            reaches this many elements; a bucket's allgather starts as soon as all its
-            gradients are compressed, so it still overlaps with backward. 0: one allgather per
-            tensor. Default 2**22 (16 MiB of fp32 gradient per bucket).
+        bucket_numel (int): the adapters send the payloads of several tensors in one
+            allgather: consecutive parameters are grouped until their dense size reaches this
+            many elements (PyTorch: in reverse registration order, roughly the order backward
+            produces them, and a bucket's allgather starts as soon as all its gradients are
+            compressed, so it still overlaps with backward; TensorFlow in the graph: in the
+            order Horovod hands the gradients over, each bucket's ops starting when its
+            gradients exist; ``in_graph=False``: one per tensor). 0: one allgather per tensor.
+            Default 2**22 (16 MiB of fp32 gradient per bucket).
         wire_index (str): index encoding of the payload (:mod:`dgc_horovod.core.wire`):
             "delta16" (default; the paper's 16-bit run lengths with an escape for long gaps,
             ~2 bytes per entry) or "int32" (4 bytes per entry).

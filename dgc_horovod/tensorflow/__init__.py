@@ -29,10 +29,12 @@ How it rides on stock Horovod (0.28.x, unmodified):
   ``in_graph=False`` runs the core eagerly in ``tf.py_function`` ops instead
   (:class:`~dgc_horovod.tensorflow.host.HostPath`): on NumPy arrays and the fused C kernels
   where TensorFlow sees no GPU, on eager TensorFlow ops with one.
-* **Exchange.** A sparsified tensor's payload goes through ``hvd.allgather`` (an op in the same
-  graph); Horovod's own allreduce gets a 1-element placeholder, which the graph does not use (so
-  TensorFlow prunes that allreduce; ``in_graph=False`` sends it: this rank's entry count). Small
-  tensors (``min_sparse_numel``) send their momentum-corrected velocity through it instead.
+* **Exchange.** The sparsified tensors' payloads go through ``hvd.allgather`` (an op in the same
+  graph), one per bucket (``bucket_numel``, cut as PyTorch's plan cuts it, over the gradients in
+  Horovod's order; ``bucket_numel=0`` and ``in_graph=False``: one per tensor); Horovod's own
+  allreduce gets a 1-element placeholder, which the graph does not use (so TensorFlow prunes
+  that allreduce; ``in_graph=False`` sends it: this rank's entry count). Small tensors
+  (``min_sparse_numel``) send their momentum-corrected velocity through it instead.
 * ``tf.IndexedSlices`` gradients (embeddings) keep Horovod's own allgather path, untouched by DGC,
   unless ``sparse_as_dense=True`` turns them into dense gradients, which DGC then compresses.
 * **Rank mismatches.** The first time ``compress`` sees a list of variables (at trace time), the

@@ -21,11 +21,14 @@ core, written as graph ops, in the order they run (Lin et al. 2018, Algorithm 1)
 4. **mask** (§3.2): :func:`~dgc_horovod.core.accumulate.clear_sent`; float16 wire values round
    as :func:`~dgc_horovod.core.precision.round_to_fp16` rounds them;
 5. **encode** (:func:`encode`): the payload of :mod:`dgc_horovod.core.wire`, word for word;
-6. after Horovod's allgather, **decode and average** (:func:`decode_sum`, :meth:`GraphCore.
-   decompress_ops`): every rank's payload summed in rank order (a ``tf.while_loop`` over the
-   ranks), times 1/N under ``op=hvd.Average``; after a non-finite step NaN everywhere and this
-   rank's sent entries put back; then the separate weight decay (``weight_decay_mode=
-   "separate"``).
+   in buckets (``bucket_numel``, :meth:`GraphCore.bucket_ops`, the default) the payloads of a
+   bucket's members framed into one segment (:func:`frame_bucket`, the words of
+   :func:`~dgc_horovod.core.wire.frame_bucket`) for one ``hvd.allgather`` per bucket;
+6. after Horovod's allgather, **decode and average** (:func:`decode_sum`, :func:`decode_bucket`,
+   :meth:`GraphCore.decompress_ops`): every rank's payload summed in rank order (a
+   ``tf.while_loop`` over the ranks), times 1/N under ``op=hvd.Average``; after a non-finite
+   step NaN everywhere and this rank's sent entries put back; then the separate weight decay
+   (``weight_decay_mode="separate"``).
 
 How Horovod's conventions map onto the paper's: as in the eager core
 (:mod:`dgc_horovod.core.compressor`): each rank accumulates its mean gradient g_k = N·∇k and
@@ -59,12 +62,14 @@ from dgc_horovod.core import DGCCore, wire
 from dgc_horovod.core import checkpoint
 from dgc_horovod.core.checkpoint import FitCheck
 from dgc_horovod.core.accumulate import clear_sent, momentum_correction
+from dgc_horovod.core.buckets import plan_buckets
 from dgc_horovod.core.sparsify import MIN_SAMPLES, SAMPLE_OVERSHOOT, is_sparse
 from dgc_horovod.core.stats import CompressionStats
 from dgc_horovod.core.warmup import density_at_step
 from dgc_horovod.tensorflow.variables import collective_name
 
-__all__ = ["GraphCore", "GraphPath", "select", "top_k_ascending", "encode", "decode_sum", "global_clip_factor"]
+__all__ = ["GraphCore", "GraphPath", "select", "top_k_ascending", "encode", "decode_sum",
+           "frame_bucket", "decode_bucket", "global_clip_factor"]
 
 _ESCAPE = 65535
 #: DGC's graph functions are traced as written: AutoGraph must not rewrite their Python control
@@ -74,6 +79,7 @@ _plain = tf.autograph.experimental.do_not_convert
 FIELDS = ("tensors", "sparse_tensors", "elements", "selected", "wire_bytes", "received_bytes",
           "dense_bytes", "nonfinite_tensors", "overflowed_entries", "flushed_entries")
 _RECEIVED = FIELDS.index("received_bytes")
+_WIRE = FIELDS.index("wire_bytes")
 
 
 # --------------------------------------------------------------------------- the steps as ops
@@ -215,10 +221,10 @@ def encode(numel, idx, values, flags=0, index="delta16", value_dtype="float32"):
     return tf.concat([header, idx_words, val_words], 0)
 
 
-def _check(cond, name, what, rank=None):
-    """An assert naming the tensor (and the rank that sent the payload), as
+def _check(cond, name, what, rank=None, subject="payload of tensor"):
+    """An assert naming the tensor or bucket (and the rank that sent the payload), as
     :class:`~dgc_horovod.core.wire.WireFormatError` does in the eager decode."""
-    data = [f"DGC payload of tensor {name!r} {what}"]
+    data = [f"DGC {subject} {name!r} {what}"]
     if rank is not None:
         data += ["(from rank", rank, ")"]
     return tf.debugging.Assert(cond, data, name="DGCPayloadCheck")
@@ -302,30 +308,102 @@ def decode_sum(gathered, numel, world_size, name, rank_loop=None):
     ``scatter_nd`` here); where TensorFlow sees a GPU (``rank_loop`` None) one scatter per rank,
     in rank order, since a GPU adds a position's entries in any order (atomics) and ranks would
     differ in the last bit from 3 ranks on."""
+    dense, nonfinite, _ = _decode(gathered, [numel], [name], world_size, None, rank_loop)[0]
+    return dense, nonfinite
+
+
+@_plain
+def frame_bucket(payloads):
+    """:func:`dgc_horovod.core.wire.frame_bucket` as graph ops, the same words: one rank's
+    segment of a bucket's allgather, every member's payload (int32) in member order."""
+    parts = [tf.constant([wire.BUCKET_MAGIC, len(payloads)], tf.int32)]
+    for j, payload in enumerate(payloads):
+        parts += [tf.constant([j], tf.int32), payload]
+    return tf.concat(parts, 0)
+
+
+@_plain
+def decode_bucket(gathered, numels, names, world_size, bucket, rank_loop=None):
+    """:func:`decode_sum` of every member of a bucket's allgather (every rank's
+    :func:`frame_bucket` segment, in rank order): per member (dense sum, non-finite, its words
+    over all ranks: payload and member word, plus the bucket header for the first member).
+    Every rank of the graph path sends every member, in member order (the eager
+    :func:`~dgc_horovod.core.wire.split_bucket` also reads segments that omit some); a segment
+    that does not stops the step with an InvalidArgumentError naming the bucket and the rank."""
+    return _decode(gathered, numels, names, world_size, bucket, rank_loop)
+
+
+def _decode(gathered, numels, names, world_size, bucket, rank_loop):
+    """:func:`decode_sum` (``bucket`` None: one payload per rank) and :func:`decode_bucket`
+    (``bucket``: its name; one framed segment per rank) in one ``tf.while_loop`` over the
+    ranks."""
     total = tf.size(gathered)
     if rank_loop is None:
         rank_loop = bool(tf.config.list_logical_devices("GPU"))
+    members = len(numels)
 
-    def body(rank, pos, acc, nonfinite):
-        end, idx, vals, bad = _read_payload(gathered, total, pos, numel, name, rank)
-        if rank_loop:
-            acc = tf.tensor_scatter_nd_add(acc, tf.reshape(idx, [-1, 1]), vals)
-        else:
-            acc = (acc[0].write(rank, idx), acc[1].write(rank, vals))
-        return rank + 1, end, acc, tf.logical_or(nonfinite, bad)
+    def body(rank, pos, accs, nonfinite, words):
+        accs, nonfinite, words = list(accs), list(nonfinite), list(words)
+        for j in range(members):
+            start = pos
+            if bucket is not None:
+                pos = _bucket_word(gathered, total, pos, j, members, bucket, rank)
+            end, idx, vals, bad = _read_payload(gathered, total, pos, numels[j], names[j], rank)
+            if rank_loop:
+                accs[j] = tf.tensor_scatter_nd_add(accs[j], tf.reshape(idx, [-1, 1]), vals)
+            else:
+                accs[j] = (accs[j][0].write(rank, idx), accs[j][1].write(rank, vals))
+            nonfinite[j] = tf.logical_or(nonfinite[j], bad)
+            words[j] = words[j] + tf.cast(end - start, tf.int64)
+            pos = end
+        return rank + 1, pos, tuple(accs), tuple(nonfinite), tuple(words)
 
-    acc = (tf.zeros([numel], tf.float32) if rank_loop else
-           (tf.TensorArray(tf.int64, 0, dynamic_size=True, infer_shape=False),
-            tf.TensorArray(tf.float32, 0, dynamic_size=True, infer_shape=False)))
-    _, pos, acc, nonfinite = tf.while_loop(
+    accs = tuple(tf.zeros([n], tf.float32) if rank_loop else
+                 (tf.TensorArray(tf.int64, 0, dynamic_size=True, infer_shape=False),
+                  tf.TensorArray(tf.float32, 0, dynamic_size=True, infer_shape=False))
+                 for n in numels)
+    _, pos, accs, nonfinite, words = tf.while_loop(
         lambda rank, *_: rank < world_size, body,
-        (tf.constant(0, tf.int32), tf.constant(0, tf.int32), acc, tf.constant(False)))
-    if not rank_loop:       # a CPU's segment sum adds its entries in their order
-        idx, vals = acc[0].concat(), acc[1].concat()
-        acc = tf.math.unsorted_segment_sum(vals, idx, numel)
-    with tf.control_dependencies([_check(tf.equal(pos, total), name, "is followed by "
-                                         "unexpected trailing words after the last rank's")]):
-        return tf.identity(acc), tf.identity(nonfinite)
+        (tf.constant(0, tf.int32), tf.constant(0, tf.int32), accs,
+         tuple(tf.constant(False) for _ in numels),
+         tuple(tf.constant(0, tf.int64) for _ in numels)))
+    if bucket is None:
+        last = _check(tf.equal(pos, total), names[0], "is followed by unexpected trailing "
+                      "words after the last rank's")
+    else:
+        last = _check(tf.equal(pos, total), bucket, "has unexpected trailing words after the "
+                      "last rank's segment", subject="bucket")
+    out = []
+    with tf.control_dependencies([last]):
+        for n, acc, bad, w in zip(numels, accs, nonfinite, words):
+            if not rank_loop:   # a CPU's segment sum adds its entries in their order
+                acc = tf.math.unsorted_segment_sum(acc[1].concat(), acc[0].concat(), n)
+            out.append((tf.identity(acc), tf.identity(bad), tf.identity(w)))
+    return out
+
+
+def _bucket_word(gathered, total, pos, j, members, bucket, rank):
+    """Checks the framing before member ``j``'s payload at word ``pos`` of a rank's bucket
+    segment (the segment's header first, for j = 0); the position of that payload."""
+    def check(cond, what):
+        return _check(cond, bucket, what, rank, subject="bucket")
+
+    if j == 0:
+        with tf.control_dependencies([check(pos + 2 <= total, "is truncated: no bucket "
+                                            "header")]):
+            magic, n = tf.unstack(tf.identity(gathered[pos:pos + 2]), 2)
+        checks = [check(tf.equal(magic, wire.BUCKET_MAGIC), "has another header than a DGC "
+                        "bucket: are all ranks running the same dgc_horovod version?"),
+                  check(tf.equal(n, members), f"has a segment whose entry count differs from "
+                        f"its {members} tensors")]
+        with tf.control_dependencies(checks):
+            pos = tf.identity(pos) + 2
+    with tf.control_dependencies([check(pos + 1 <= total, "is truncated: missing an entry")]):
+        member = tf.identity(gathered[pos])
+    with tf.control_dependencies([check(tf.equal(member, j), f"names another member where "
+                                        f"member {j} was expected (every rank sends every "
+                                        f"member, in order)")]):
+        return tf.identity(pos) + 1
 
 
 @_plain
@@ -357,7 +435,8 @@ def _threshold(clip_norm, world_size, average):
 class _Step:
     """The ops of one traced reduction that every tensor's compression reads (step_ops)."""
 
-    __slots__ = ("grads", "graph", "active", "step", "density", "world", "clip", "draws")
+    __slots__ = ("grads", "graph", "active", "step", "density", "world", "clip", "draws",
+                 "buckets")
 
 
 class GraphCore(DGCCore):
@@ -541,7 +620,7 @@ class GraphCore(DGCCore):
             return last
         c = self.config
         s = _Step()
-        s.grads, s.graph = grads, graph
+        s.grads, s.graph, s.buckets = grads, graph, None
         with graph.as_default(), tf.name_scope("DGC_step"):
             # Horovod reduces only where its condition holds (_allreduce_cond: this rank in
             # the process set, more than one rank); where not, compress never runs and, as
@@ -600,7 +679,8 @@ class GraphCore(DGCCore):
 
     # ------------------------------------------------------- trace time: one tensor
     def _function(self, what, name, average, body):
-        """The ``tf.function`` that holds ``what`` ("compress", "decompress") of tensor ``name``,
+        """The ``tf.function`` that holds ``what`` ("compress", "decompress") of tensor ``name``
+        (or "bucket" of a tuple of names),
         made at its first trace and kept: a ``tf.function`` whose first run creates variables
         (DGC's, the optimizer's) is traced twice, and a second trace of the step calls the same
         functions again instead of rebuilding their thousands of ops. TensorFlow inlines them
@@ -691,6 +771,58 @@ class GraphCore(DGCCore):
                                      tf.cast(tf.logical_not(finite), tf.int64)]), counts], 0)
         return payload, stats, (idx, vals, u_sent, keep)
 
+    @_plain
+    def bucket_ops(self, entries, step, process_set, average):
+        """Steps 2-6 of a bucket's sparsified members, in the graph that holds the gradients
+        (outside Horovod's per-tensor branches, which cannot share ops): each member's compress
+        (:meth:`compress_ops`' ops), the payloads framed into one segment
+        (:func:`frame_bucket`), one ``hvd.allgather`` for the bucket (named after its first
+        member), and :func:`decode_bucket`. Where Horovod does not reduce this step (``step.
+        active`` False) none of it runs. ``entries``: (name, gradient, variable or None) per
+        member, in member order. Returns per member (kind, ctx, result) for
+        :meth:`decompress_ops`: ``result`` (the decoded sum, non-finite, received bytes, framing
+        bytes). The same payloads, updates and state as one allgather per tensor, bit for bit;
+        the ops are those of a ``tf.function`` kept per bucket (:meth:`_function`)."""
+        names = [name for name, _, _ in entries]
+        sts = [self._traced_state(name, g) for name, g, _ in entries]
+        draws = [None if self.config.exact_topk else step.draws.get(id(g))
+                 for _, g, _ in entries]
+        label = "bucket." + names[0]
+
+        def body(grads, density, clip, world, draws, params):
+            outs = [self._compress(st, average, g, density, clip, world, d, p)
+                    for st, g, d, p in zip(sts, grads, draws, params)]
+            gathered = hvd.allgather(frame_bucket([o[0] for o in outs]),
+                                     name=collective_name(label), process_set=process_set)
+            decoded = decode_bucket(gathered, [st.numel for st in sts], names, world, label)
+            result = []
+            for j, ((payload, stats, sent), (dense, bad, words)) in enumerate(zip(outs, decoded)):
+                framing = 3 if j == 0 else 1    # the member word (and the bucket header)
+                own = tf.size(payload, out_type=tf.int64) + framing
+                result.append((stats, sent, (dense, bad, 4 * (words - own),
+                                             tf.constant(4 * framing, tf.int64))))
+            return result
+
+        fn = self._function("bucket", tuple(names), (average, process_set.process_set_id), body)
+        args = ([g for _, g, _ in entries], step.density, step.clip, step.world, draws,
+                [p for _, _, p in entries])
+        with step.graph.as_default(), tf.name_scope("DGC_bucket"):
+            if tf.get_static_value(step.active):       # (numpy's True)
+                result = fn(*args)
+            else:       # an elastic job, or this rank outside the process set
+                result = tf.cond(step.active, lambda: fn(*args),
+                                 lambda: [self._idle(st) for st in sts])
+        return [("sparse", (st, stats, sent), decoded)
+                for st, (stats, sent, decoded) in zip(sts, result)]
+
+    @staticmethod
+    def _idle(st):
+        """A bucket member's :meth:`bucket_ops` outputs where Horovod does not reduce (unused)."""
+        empty, none = tf.zeros([0], tf.float32), tf.zeros([0], tf.int64)
+        zero = tf.constant(0, tf.int64)
+        return (tf.zeros([len(FIELDS)], tf.int64), (none, empty, empty, tf.constant(False)),
+                (tf.zeros([st.numel], tf.float32), tf.constant(False), zero, zero))
+
     def _round_to_fp16(self, st, idx, vals):
         """:func:`~dgc_horovod.core.precision.round_to_fp16` as ops: (the values to send, whether
         the sent entries are put back after a bad step, [overflowed, flushed])."""
@@ -727,9 +859,10 @@ class GraphCore(DGCCore):
     @_plain
     def decompress_ops(self, name, result, ctx, step, words, average, param=None):
         """Step 6, in Horovod's branch: the flat float32 update of ``name`` from ``result`` (the
-        allgathered payloads of a sparsified tensor, or the allreduced velocity of a dense one).
-        ``words``: this rank's payload length (int32 words), for the statistics. The ops are
-        those of a ``tf.function`` kept per tensor (:meth:`_function`)."""
+        allgathered payloads of a sparsified tensor, or the allreduced velocity of a dense one,
+        or a bucket member's decoded tuple from :meth:`bucket_ops`). ``words``: this rank's
+        payload length (int32 words), for the statistics. The ops are those of a
+        ``tf.function`` kept per tensor (:meth:`_function`)."""
         st, stats, sent = ctx
 
         def body(result, stats, sent, world, step_count, words, param):
@@ -748,8 +881,12 @@ class GraphCore(DGCCore):
             received = tf.constant(0, tf.int64)
         else:
             idx, vals, u_sent, keep = sent
-            dense, nonfinite = decode_sum(result, st.numel, world, name)
-            received = 4 * (tf.size(result, out_type=tf.int64) - words)
+            if isinstance(result, tuple):       # a bucket's member, decoded by bucket_ops
+                dense, nonfinite, received, framing = result
+                stats = tf.tensor_scatter_nd_add(stats, [[_WIRE]], [framing])
+            else:
+                dense, nonfinite = decode_sum(result, st.numel, world, name)
+                received = 4 * (tf.size(result, out_type=tf.int64) - words)
 
             def bad():
                 def put_back():
@@ -829,7 +966,8 @@ class GraphPath:
     """The adapter's side of ``DGC(in_graph=True)``: a gradient Horovod hands over, once the
     adapter has located its variable and checked it, goes through :class:`GraphCore`'s steps
     and Horovod's collectives, all ops of the traced step. A sparsified tensor's payload goes
-    through ``hvd.allgather``, Horovod's allreduce carries a 1-element placeholder; a dense
+    through ``hvd.allgather``, its bucket's (:meth:`GraphCore.bucket_ops`) or its own
+    (``bucket_numel=0``), and Horovod's allreduce carries a 1-element placeholder; a dense
     tensor's velocity goes through Horovod's allreduce itself."""
 
     def __init__(self, dgc):
@@ -844,6 +982,11 @@ class GraphPath:
             core.check_fit_traced(self._names.known([v for _, v in pairs]), [
                 self._names.of(v) for g, v in pairs if not isinstance(g, tf.IndexedSlices)])
         step = core.step_ops(grads, tensor, process_set, average)
+        member = self._buckets(step, grads, variables, process_set, average).get(id(tensor))
+        if member is not None:      # its bucket's ops are in the graph (GraphCore.bucket_ops)
+            # Horovod's allreduce gets a placeholder, pruned as below
+            return tf.zeros([1], tensor.dtype), (name, tensor, var, step, member[1],
+                                                 (member[2], None), average)
         kind, out, ctx = core.compress_ops(name, tensor, step, average,
                                        var if core.needs_param else None)
         if kind == "dense":
@@ -857,13 +1000,39 @@ class GraphPath:
         return placeholder, (name, tensor, var, step, ctx,
                              (gathered, tf.size(out, out_type=tf.int64)), average)
 
+    def _buckets(self, step, grads, variables, process_set, average):
+        """{id(gradient): its member of :meth:`GraphCore.bucket_ops`} for the sparsified
+        gradients of this traced reduction, made at its first tensor: Horovod's gradients (not
+        IndexedSlices, with a static size), in its order, cut by
+        :func:`~dgc_horovod.core.buckets.plan_buckets` (``bucket_numel``; 0: none, one
+        allgather per tensor)."""
+        if step.buckets is not None:
+            return step.buckets
+        core, step.buckets = self.core, {}
+        entries = [(self._names.of(v), g, v) for g, v in zip(grads, variables)
+                   if g is not None and not isinstance(g, tf.IndexedSlices)
+                   and g.shape.num_elements() is not None]
+        if not core.config.bucket_numel or not entries:
+            return step.buckets
+        sparse = {name: core._traced_state(name, g).sparse for name, g, _ in entries}
+        by_name = {name: (name, g, v if core.needs_param else None) for name, g, v in entries}
+        plan = plan_buckets([(name, g.shape.num_elements(), len(g.shape))
+                             for name, g, _ in entries], core.config.bucket_numel, core.config)
+        for members, _ in plan:
+            sent = [by_name[name] for name in members if sparse[name]]
+            if sent:
+                for (_, g, _), member in zip(sent, core.bucket_ops(sent, step, process_set,
+                                                                   average)):
+                    step.buckets[id(g)] = member
+        return step.buckets
+
     def decompress(self, tensor, ctx):
         """Trace-time: the update of the gradient ``ctx`` describes, in its shape and dtype."""
         name, original, var, step, core_ctx, gathered, average = ctx
         if gathered is None:
             result, words = tf.reshape(tf.cast(tensor, tf.float32), [-1]), 0
         else:       # the placeholder Horovod allreduced is not used (module docstring)
-            result, words = gathered
+            result, words = gathered        # (a bucket member: its decoded tuple, None)
         update = self.core.decompress_ops(name, result, core_ctx, step, words, average,
                                       var if self.core.separate_weight_decay else None)
         return tf.cast(tf.reshape(update, original.shape), original.dtype)

@@ -137,6 +137,40 @@ def scenario_wire_host(results):
     scenario_wire(results, "wire_host", in_graph=False)
 
 
+def scenario_wire_per_tensor(results):
+    scenario_wire(results, "wire_per_tensor", bucket_numel=0)
+
+
+def scenario_buckets(results):
+    """One allgather per bucket (the default bucket_numel, one bucket here; and bucket_numel
+    cutting this model in two) against one allgather per tensor (bucket_numel=0): the same
+    parameters and DGC states, bit for bit, also through a step where rank 1's gradient is NaN
+    and, with Nesterov and separate weight decay, through the other arithmetic (the tape in a
+    tf.function; keras_fit runs the Keras optimizer with the default buckets)."""
+    out = {}
+    for case, kw in {"default": {}, "nesterov_wd": dict(nesterov=True, weight_decay=1e-3)}.items():
+        runs = {}
+        for bucket_numel in (0, 2 ** 22, 5000):
+            dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024,
+                      bucket_numel=bucket_numel, **kw)
+            model = make_model()
+            skipped = train_tape(model, dgc, steps=8, nan_at=3)
+            st = dgc.total_stats
+            runs[bucket_numel] = dict(
+                params=flat(model).numpy(), skipped=skipped, identical=identical(model),
+                states={n: [None if t is None else np.asarray(t).tolist()
+                            for t in (s.u, s.v, s.wd)] for n, s in dgc.states.items()},
+                wire=st.wire_bytes, received=st.received_bytes, selected=st.selected)
+        base = runs[0]
+        out[case] = {str(b): dict(same_params=bool(np.array_equal(r["params"].view(np.int32),
+                                                                   base["params"].view(np.int32))),
+                                  same_states=r["states"] == base["states"],
+                                  skipped=r["skipped"], identical=r["identical"],
+                                  wire=r["wire"], received=r["received"],
+                                  selected=r["selected"]) for b, r in runs.items()}
+    results["buckets"] = out
+
+
 def scenario_indexed_slices(results):
     out = {}
     for sad in (False, True):
@@ -303,7 +337,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenarios", default="identical,equivalence,indexed_slices,nonfinite,"
-                    "keras_fit,keras_momentum_twice,semantics,fp16_overflow,checkpoint_misfit",
+                    "keras_fit,keras_momentum_twice,semantics,fp16_overflow,checkpoint_misfit,"
+                    "buckets",
                     help="comma-separated scenario names")
     args = ap.parse_args()
     hvd.init()
