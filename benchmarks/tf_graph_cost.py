@@ -7,8 +7,12 @@ by their result for 2 ranks that sent the same payloads (the allgather: this ran
 twice; the dense allreduce: the velocity's sum times 1/2), after the warm-up (density
 ``--density``):
 
-- ``graph``: :class:`dgc_horovod.tensorflow.graph.GraphCore`'s step_ops, compress_ops and
-  decompress_ops for every tensor, traced into one ``tf.function`` (what the adapter traces);
+- ``buckets``: :class:`dgc_horovod.tensorflow.graph.GraphCore`'s step_ops, then bucket_ops for
+  the sparsified tensors in the adapter's buckets (``bucket_numel``, the default: one framed
+  allgather per bucket) and compress_ops for the dense ones, then decompress_ops for every
+  tensor, traced into one ``tf.function`` (what the adapter traces);
+- ``per tensor``: the same with compress_ops for every tensor (``bucket_numel=0``: one
+  allgather per sparsified tensor);
 - ``host``: :class:`dgc_horovod.core.DGCCore` on NumPy arrays (the fused C kernels): compress and
   decompress per tensor, eagerly, as ``in_graph=False`` runs them without a GPU inside its
   ``tf.py_function`` ops (not counted: TensorFlow's copies into and out of those ops);
@@ -18,16 +22,24 @@ twice; the dense allreduce: the velocity's sum times 1/2), after the warm-up (de
 against one memory pass, a traced ``tf.function`` that adds every gradient into a variable of its
 size (``assign_add``). Rounds are interleaved (each round runs every line once); a ratio is the
 median over the rounds of the line's time divided by the same round's memory pass. Also prints
-the graph's size: the ops of the traced step (its branches and loop bodies included), per
+the graphs' size: the ops of each traced step (its branches and loop bodies included), per
 tensor.
+
+With ``--profile``, TensorFlow's profiler then records 3 steps of each graph variant and the
+benchmark prints the kernel time per step by op type (where the executor's own time is the
+rest of the step).
 
     python benchmarks/tf_graph_cost.py [--model resnet50] [--density 0.001] [--repeats 9]
                                        [--min-sparse-ndim 2] [--threads 1] [--tf-ops]
+                                       [--profile]
 """
 import argparse
+import collections
+import glob
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -39,15 +51,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import MODELS       # noqa: E402
 
 from dgc_horovod.backends.tf_backend import TFBackend     # noqa: E402
+import dgc_horovod.tensorflow.graph as graph_module     # noqa: E402
 from dgc_horovod.core import DGCConfig, DGCCore           # noqa: E402
+from dgc_horovod.core.buckets import plan_buckets        # noqa: E402
 from dgc_horovod.core.backend import NumpyBackend         # noqa: E402
-from dgc_horovod.tensorflow.graph import GraphCore        # noqa: E402
+from dgc_horovod.tensorflow.graph import GraphCore, hvd   # noqa: E402
 
 WORLD = 2
 
 
 class _ProcessSet:
     """Stands in for Horovod's process set: the world size the graph reads."""
+
+    process_set_id = 0
 
     def size(self):
         return WORLD
@@ -73,6 +89,49 @@ def graph_step(core, names):
     return step
 
 
+class _Allgather:
+    """Stands in for ``horovod.tensorflow`` in the graph module: an allgather of 2 ranks that
+    sent the same segment."""
+
+    def __getattr__(self, name):
+        return getattr(hvd, name)
+
+    @staticmethod
+    def allgather(x, name=None, process_set=None):
+        return tf.concat([x, x], 0)
+
+
+def bucket_step(core, names, grads):
+    """The traced step of one rank with the sparsified tensors in buckets (``bucket_numel``,
+    :meth:`GraphCore.bucket_ops`, as the adapter plans them), the collectives replaced."""
+    graph_module.hvd = _Allgather()
+    plan = plan_buckets([(n, g.shape.num_elements(), len(g.shape)) for n, g in zip(names, grads)],
+                        core.config.bucket_numel, core.config)
+    sparse = {n for members, flags in plan for n, f in zip(members, flags) if f}
+
+    @tf.function
+    def step(grads):
+        s = core.step_ops(grads, grads[0], _ProcessSet(), True)
+        by_name = dict(zip(names, grads))
+        ctx = {}
+        for members, _ in plan:
+            sent = [(n, by_name[n], None) for n in members if n in sparse]
+            if sent:
+                for (n, _, _), (c, decoded) in zip(sent, core.bucket_ops(sent, s, _ProcessSet(),
+                                                                         True)):
+                    ctx[n] = (c, decoded)
+        out = []
+        for name, g in zip(names, grads):
+            if name in ctx:
+                c, decoded = ctx[name]
+                out.append(core.decompress_ops(name, decoded, c, s, None, True))
+                continue
+            kind, sent, c = core.compress_ops(name, g, s, True)
+            out.append(core.decompress_ops(name, (sent + sent) * (1.0 / WORLD), c, s, 0, True))
+        return out
+    return step
+
+
 def eager_step(core, names, grads):
     """One step of the eager core, as in_graph=False runs it per tensor."""
     B = core.B
@@ -90,6 +149,37 @@ def graph_ops(fn, grads):
     return len(gd.node) + sum(len(f.node_def) for f in gd.library.function)
 
 
+def profile(fn, grads, steps=3):
+    """Kernel time per step by op type (ms, count), from TensorFlow's profiler over ``steps``
+    runs of ``fn``; the executor's per-step event ("Process") as ("step", count of ops run)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        for _ in range(steps):
+            fn(grads)
+        tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
+                  "rb") as f:
+            space.ParseFromString(f.read())
+    ms, count = collections.Counter(), collections.Counter()
+    for plane in space.planes:
+        for line in plane.lines:
+            if "Eigen" in line.name:        # the kernels' worker threads: counted by their op
+                continue
+            for ev in line.events:
+                name = plane.event_metadata[ev.metadata_id].name
+                kind = name.rsplit(":", 1)[-1].strip()
+                if kind == "Process":               # the executor's event for the step
+                    kind = "step"
+                elif ":" not in name or kind == "Run" or kind.startswith("__inference"):
+                    continue
+                if kind:
+                    ms[kind] += ev.duration_ps / 1e9 / steps
+                    count[kind] += 1 / steps
+    return ms, count
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="resnet50", choices=sorted(MODELS))
@@ -98,6 +188,8 @@ def main():
     ap.add_argument("--min-sparse-ndim", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads")
     ap.add_argument("--tf-ops", action="store_true", help="also the eager core on TF ops")
+    ap.add_argument("--profile", action="store_true",
+                    help="then the kernel time per op type of both graph variants")
     args = ap.parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
@@ -110,6 +202,7 @@ def main():
                        min_sparse_ndim=args.min_sparse_ndim)
 
     graph = graph_step(GraphCore(config, TFBackend()), names)
+    buckets = bucket_step(GraphCore(config, TFBackend()), names, grads)
     host = DGCCore(config, NumpyBackend())
     sinks = [tf.Variable(tf.zeros_like(g)) for g in grads]
 
@@ -119,7 +212,8 @@ def main():
             v.assign_add(g)
 
     lines = [("one memory pass (assign_add)", lambda: memory_pass(grads)),
-             ("DGC in the graph (default)", lambda: graph(grads)),
+             ("DGC in the graph, buckets (default)", lambda: buckets(grads)),
+             ("DGC in the graph, per tensor", lambda: graph(grads)),
              ("DGC in tf.py_function, C kernels", lambda: eager_step(host, names, arrays))]
     if args.tf_ops:
         ops = DGCCore(config, TFBackend())
@@ -145,9 +239,27 @@ def main():
         t = statistics.median(r[j] for r in rounds)
         ratio = statistics.median(r[j] / r[0] for r in rounds)
         print(f"  {label:<36} {1e3 * t:8.1f} ms   {ratio:6.2f}x")
-    total = graph_ops(graph, grads)
-    print(f"  the traced step: {total:,} ops ({total / len(shapes):.0f} per tensor), "
-          f"memory pass {graph_ops(memory_pass, grads):,}")
+    for label, fn in (("buckets", buckets), ("per tensor", graph)):
+        total = graph_ops(fn, grads)
+        print(f"  the traced step, {label}: {total:,} ops ({total / len(shapes):.0f} per "
+              f"tensor)")
+    print(f"  the memory pass: {graph_ops(memory_pass, grads):,} ops")
+    if args.profile:
+        got = {label: profile(fn, grads) for label, fn in (("buckets", buckets),
+                                                            ("per tensor", graph))}
+        ms = {label: m["step"] for label, (m, _) in got.items()}
+        print("  kernel time per step by op type (TensorFlow's profiler, 3 steps); the last "
+              "line: the executor's time for the step, and the ops it ran")
+        print(f"  {'op type':<28} {'buckets ms':>10} {'ops':>6} {'per tensor ms':>14} {'ops':>6}")
+        kinds = sorted((set(got["buckets"][0]) | set(got["per tensor"][0])) - {"step"},
+                       key=lambda k: -sum(got[v][0][k] for v in got))
+        for kind in kinds[:25]:
+            row = [f"{got[v][0][kind]:{w}.2f} {got[v][1][kind]:6.0f}"
+                   for v, w in (("buckets", 10), ("per tensor", 14))]
+            print(f"  {kind:<28} {row[0]} {row[1]}")
+        ops = {label: c["step"] for label, (_, c) in got.items()}
+        print(f"  step (the executor)          {ms['buckets']:10.2f} {ops['buckets']:6.0f} "
+              f"{ms['per tensor']:14.2f} {ops['per tensor']:6.0f}")
 
 
 if __name__ == "__main__":

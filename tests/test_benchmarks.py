@@ -130,19 +130,25 @@ def test_tf_mnist_wall_runs_each_variant():
 
 @pytest.mark.adapter
 def test_tf_graph_cost_runs_every_line():
-    """benchmarks/tf_graph_cost.py times DGC's TensorFlow step in the graph, in tf.py_function
-    (C kernels, TF ops) and a memory pass, and counts the traced step's ops (the ratios
+    """benchmarks/tf_graph_cost.py times DGC's TensorFlow step in the graph (buckets and one
+    allgather per tensor), in tf.py_function (C kernels, TF ops) and a memory pass, counts the
+    traced steps' ops, and with --profile gives the kernel time per op type (the ratios
     themselves are measured in docs/performance.md)."""
     import re
     import subprocess
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "benchmarks/tf_graph_cost.py", "--model", "lstm_lm",
-                           "--repeats", "1", "--tf-ops"], cwd=ROOT, env=env,
+                           "--repeats", "1", "--tf-ops", "--profile"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for label in ("one memory pass", "DGC in the graph", "C kernels", "TF ops"):
+    for label in ("one memory pass", "DGC in the graph, buckets", "DGC in the graph, per tensor",
+                  "C kernels", "TF ops"):
         assert re.search(label + r".* [\d.]+ ms +[\d.]+x", proc.stdout), proc.stdout
-    assert re.search(r"the traced step: [\d,]+ ops", proc.stdout), proc.stdout
+    for variant in ("buckets", "per tensor"):
+        assert re.search(rf"the traced step, {variant}: [\d,]+ ops", proc.stdout), proc.stdout
+    # --profile: kernel time by op type for both variants, and the executor's step
+    assert re.search(r"ResourceApplyMomentum +[\d.]+ +\d+ +[\d.]+ +\d+", proc.stdout), proc.stdout
+    assert re.search(r"step \(the executor\) +[\d.]+ +\d+ +[\d.]+ +\d+", proc.stdout), proc.stdout
 
 
 @pytest.mark.horovodrun

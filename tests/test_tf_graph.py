@@ -63,10 +63,10 @@ def _no_reassociation():
         {"arithmetic_optimization": before.get("arithmetic_optimization", True)})
 
 
-def _config(case):
+def _config(case, **more):
     from dgc_horovod.core import DGCConfig
     kw = {k: v for k, v in CASES[case].items() if not k.startswith("_")}
-    kw = dict(dict(compress_ratio=0.004, warmup_steps=2, seed=7), **kw)
+    kw = dict(dict(compress_ratio=0.004, warmup_steps=2, seed=7), **kw, **more)
     return DGCConfig(environ={}, **kw)
 
 
@@ -545,3 +545,113 @@ def test_graph_top_k_ascending_is_top_k_sorted(n, k, ties, static):
     got = to_np(fn(tf.constant(mag), tf.constant(k, tf.int64)))
     want = np.sort(to_np(tf.math.top_k(tf.constant(mag), k, sorted=False).indices))
     assert np.array_equal(got, want)
+
+
+class _Allgather:
+    """horovod.tensorflow for the graph module, its allgather that of N ranks that sent the same
+    segment."""
+
+    def __getattr__(self, name):
+        import horovod.tensorflow as hvd
+        return getattr(hvd, name)
+
+    @staticmethod
+    def allgather(x, name=None, process_set=None):
+        import tensorflow as tf
+        return tf.concat([x] * N, 0)
+
+
+class _OneProcessSet(_ProcessSet):
+    process_set_id = 0
+
+
+def _one_rank_fn(core, average, buckets):
+    """One rank's traced step, every rank having sent the same (the allgather: N copies): its
+    sparsified gradients exchanged in buckets (GraphCore.bucket_ops, as the adapter plans them)
+    or one allgather per tensor (compress_ops)."""
+    import tensorflow as tf
+    from dgc_horovod.core.buckets import plan_buckets
+
+    names = [name for name, _ in SHAPES]
+
+    @tf.function(autograph=False)
+    def step(grads, params):
+        ps = _OneProcessSet()
+        s = core.step_ops(grads, grads[0], ps, average)
+        members = {}
+        if buckets:
+            sparse = {n: core._traced_state(n, g).sparse for n, g in zip(names, grads)}
+            plan = plan_buckets([(n, g.shape.num_elements(), len(g.shape))
+                                 for n, g in zip(names, grads)], core.config.bucket_numel,
+                                core.config)
+            by_name = {n: (n, g, p) for n, g, p in zip(names, grads, params)}
+            for group, _ in plan:
+                sent = [by_name[n] for n in group if sparse[n]]
+                if sent:
+                    members.update(zip([n for n, _, _ in sent],
+                                       core.bucket_ops(sent, s, ps, average)))
+        updates = []
+        for name, g, p in zip(names, grads, params):
+            if name in members:
+                ctx, decoded = members[name]
+                updates.append(core.decompress_ops(name, decoded, ctx, s, None, average, p))
+                continue
+            kind, out, ctx = core.compress_ops(name, g, s, average, p)
+            if kind == "dense":
+                result, words = (out * N) * (1.0 / N) if average else out * N, 0
+            else:
+                result, words = _Allgather.allgather(out), tf.size(out, out_type=tf.int64)
+            updates.append(core.decompress_ops(name, result, ctx, s, words, average, p))
+        return updates
+
+    return step
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["small_buckets"])
+def test_graph_buckets_equal_one_allgather_per_tensor_bit_for_bit(case, monkeypatch):
+    """A bucket's members (GraphCore.bucket_ops: one framed allgather, decode_bucket) get the
+    updates, u, v, weight-decay buffers, generator state and statistics of one allgather per
+    tensor, bit for bit, for every option of test_graph_path_equals_eager_core_bit_for_bit
+    (NaN steps included); the statistics differ only by the framing: 12 bytes per bucket and
+    step for its first member, 4 for each other, sent and received alike. ``small_buckets``:
+    bucket_numel=5000, several buckets."""
+    import tensorflow as tf
+    import dgc_horovod.tensorflow.graph as graph
+    from dgc_horovod.backends.tf_backend import TFBackend
+
+    from dgc_horovod.core.buckets import plan_buckets
+
+    monkeypatch.setattr(graph, "hvd", _Allgather())
+    bucket_numel = 5000 if case == "small_buckets" else 1 << 22
+    case = "default" if case == "small_buckets" else case
+    config = _config(case, bucket_numel=bucket_numel)
+    average = CASES[case].get("_average", True)
+    epochs = CASES[case].get("_epochs")
+    grads, params = _data(case)
+    plan = plan_buckets([(n, int(np.prod(shape)), len(shape)) for n, shape in SHAPES],
+                        bucket_numel, config)
+    members = [sum(flags) for _, flags in plan if any(flags)]
+    framing = 4 * (2 * len(members) + sum(members))     # bytes per step, each way
+    assert len(members) == (2 if bucket_numel == 5000 else 1)
+    cores = {b: graph.GraphCore(config, TFBackend()) for b in (False, True)}
+    fns = {b: _one_rank_fn(core, average, b) for b, core in cores.items()}
+    p_tf = [tf.constant(p) for p in params]
+    for t in range(STEPS):
+        out = {}
+        for b, core in cores.items():
+            if epochs is not None:
+                core.set_epoch(epochs[t])
+            out[b] = fns[b]([tf.constant(g) for g in grads[t][NAN_RANK]], p_tf)
+        where = f"{case}, step {t}"
+        for j, (name, _) in enumerate(SHAPES):
+            assert _same(out[False][j], out[True][j]), f"{where}: update of {name}"
+        one, bucketed = cores[False], cores[True]
+        for name, st in one.states.items():
+            for attr in ("u", "v", "wd"):
+                assert _same(getattr(st, attr), getattr(bucketed.states[name], attr)), \
+                    f"{where}: {attr} of {name}"
+        assert np.array_equal(to_np(one._generator.state), to_np(bucketed._generator.state))
+        want = _stats(one.step_stats)
+        for k in ("wire_bytes", "received_bytes"):
+            want[k] += framing if k == "wire_bytes" else framing * (N - 1)
+        assert _stats(bucketed.step_stats) == want, where

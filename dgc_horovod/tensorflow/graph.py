@@ -194,7 +194,8 @@ def _pack16(tokens):
 @_plain
 def encode(numel, idx, values, flags=0, index="delta16", value_dtype="float32"):
     """:func:`dgc_horovod.core.wire.encode` as graph ops, the same words: ``idx`` int64
-    positions (ascending for delta16), ``values`` float32 in their order; the int32 payload."""
+    positions (ascending for delta16), ``values`` float32 in their order, ``flags`` an int or
+    an int32 scalar tensor; the int32 payload."""
     c = tf.size(idx)
     if index == "int32":
         tokens, idx_words = c, tf.cast(idx, tf.int32)
@@ -214,10 +215,11 @@ def encode(numel, idx, values, flags=0, index="delta16", value_dtype="float32"):
         val_words = tf.bitcast(values, tf.int32)
     else:
         val_words = _pack16(tf.cast(values, tf.float16))
-    word3 = (flags | wire.INDEX_ENCODINGS.index(index) << 8
-             | wire.VALUE_DTYPES.index(value_dtype) << 16)
+    word3 = tf.bitwise.bitwise_or(tf.cast(flags, tf.int32),
+                                  wire.INDEX_ENCODINGS.index(index) << 8
+                                  | wire.VALUE_DTYPES.index(value_dtype) << 16)
     header = tf.stack([tf.constant(wire.MAGIC_V2, tf.int32), tf.constant(numel, tf.int32), c,
-                       tf.constant(word3, tf.int32), tokens])
+                       word3, tokens])
     return tf.concat([header, idx_words, val_words], 0)
 
 
@@ -466,7 +468,7 @@ class GraphCore(DGCCore):
         self._rows = {}         # name -> (row, acc): int64 variables of its statistics
         self._synced = 0        # the step counter when the statistics were last read
         self._last = None
-        self._functions = {}    # (what, name, average) -> its tf.function (_function)
+        self._functions = {}    # (what, name, variant) -> its tf.function (_function)
 
     # ------------------------------------------------------- the variables <-> the core
     def _pull(self):
@@ -678,16 +680,17 @@ class GraphCore(DGCCore):
         return st
 
     # ------------------------------------------------------- trace time: one tensor
-    def _function(self, what, name, average, body):
+    def _function(self, what, name, variant, body):
         """The ``tf.function`` that holds ``what`` ("compress", "decompress") of tensor ``name``
-        (or "bucket" of a tuple of names),
+        (or "bucket" of a tuple of names) for ``variant`` (op=Average or not; for a bucket also
+        the process set, whose allgather it holds),
         made at its first trace and kept: a ``tf.function`` whose first run creates variables
         (DGC's, the optimizer's) is traced twice, and a second trace of the step calls the same
         functions again instead of rebuilding their thousands of ops. TensorFlow inlines them
         into the step when it optimises the graph. Its inputs are tensors (or None); it reads
         only the tensor's variables (its traced state, which stays the same object: a load
         assigns into it) and the core's."""
-        key = (what, name, average)
+        key = (what, name, variant)
         fn = self._functions.get(key)
         if fn is None:
             fn = self._functions[key] = tf.function(body, autograph=False)
@@ -710,14 +713,12 @@ class GraphCore(DGCCore):
         out, stats, sent = fn(grad, step.density, step.clip, step.world, draws, param)
         return ("sparse" if st.sparse else "dense"), out, (st, stats, sent)
 
-    def _compress(self, st, average, grad, density, clip, world, draws, param):
-        """:meth:`compress_ops`'s ops: (out, the statistics row, the sent entries or None);
-        ``density``, ``clip``, ``world``: :meth:`step_ops`'s."""
-        c, B = self.config, self.B
-        n = st.numel
+    def _prepare(self, st, average, grad, clip, world, param):
+        """The eager core's _accumulated: (the gradient as a flat float32, what momentum
+        correction adds: s·g, + λ·w with ``weight_decay_mode="accumulated"``, whether the
+        gradient is finite); ``clip``, ``world``: :meth:`step_ops`'s."""
+        c = self.config
         g = tf.reshape(tf.cast(grad, tf.float32), [-1])
-        # the eager core's _accumulated: (the gradient checked and accumulated, the clipping
-        # factor still to apply)
         scale = clip
         if c.clip_norm is not None and c.clip_scope == "tensor":
             norm = tf.cast(tf.norm(g), tf.float64)
@@ -728,43 +729,53 @@ class GraphCore(DGCCore):
             g = (g if scale is None else g * scale) + c.weight_decay * w
             scale = None
         acc = g if scale is None else g * scale     # momentum correction's s·g
-        finite = tf.reduce_all(tf.math.is_finite(g))
-        row = [1, int(st.sparse), n]
+        return g, acc, tf.reduce_all(tf.math.is_finite(g))
+
+    def _compress(self, st, average, grad, density, clip, world, draws, param):
+        """:meth:`compress_ops`'s ops: (out, the statistics row, the sent entries or None);
+        ``density``, ``clip``, ``world``: :meth:`step_ops`'s."""
+        c = self.config
+        n = st.numel
+        g, acc, finite = self._prepare(st, average, grad, clip, world, param)
         if not st.sparse:
             out = tf.cond(finite, lambda: self._velocity(st, acc), lambda: g)
-            stats = tf.stack([tf.constant(v, tf.int64) for v in row + [0, 4 * n, 4 * n, 4 * n]]
+            stats = tf.stack([tf.constant(v, tf.int64)
+                              for v in [1, 0, n, 0, 4 * n, 4 * n, 4 * n]]
                              + [tf.cast(tf.logical_not(finite), tf.int64)]
                              + [tf.constant(0, tf.int64)] * 2)
             return out, stats, None
         k = k_for(n, density)
-        masked = c.momentum_masking and st.u is not None
-        fp16 = c.wire_values == "float16"
 
-        def send():
-            accumulate(B, st, acc, c)
+        def chosen():
+            accumulate(self.B, st, acc, c)
             # delta16 needs the positions ascending: select gives them so; int32 sends them
             # in top_k's order, as the eager core does
-            idx = select(tf.abs(st.v), k, draws, ascending=c.wire_index == "delta16")
-            vals = tf.gather(st.v, idx)
-            u_sent = tf.gather(st.u, idx) if masked else tf.zeros([0], tf.float32)
-            clear_sent(B, st.u, st.v, idx, c.momentum_masking)
-            counts = tf.zeros([2], tf.int64)
-            keep = tf.constant(True)        # put the sent entries back after a bad step
-            sent = vals
-            if fp16:
-                sent, keep, counts = self._round_to_fp16(st, idx, vals)
-            return (encode(n, idx, sent, 0, c.wire_index, c.wire_values), idx, vals, u_sent,
-                    keep, counts)
+            return select(tf.abs(st.v), k, draws, ascending=c.wire_index == "delta16")
 
-        def skip():                 # non-finite: nothing sent, the state untouched
-            none = tf.zeros([0], tf.int64)
-            empty = tf.zeros([0], tf.float32)
-            return (encode(n, none, empty, wire.FLAG_NONFINITE, c.wire_index, c.wire_values),
-                    none, empty, empty, tf.constant(False), tf.zeros([2], tf.int64))
+        # non-finite: nothing sent, the state untouched
+        return self._emit(st, tf.cond(finite, chosen, lambda: tf.zeros([0], tf.int64)), finite)
 
-        payload, idx, vals, u_sent, keep, counts = tf.cond(finite, send, skip)
+    def _emit(self, st, idx, finite):
+        """Steps 4-5 of a sparsified tensor whose positions ``idx`` were selected (none where the
+        gradient is not ``finite``): their values, momentum factor masking (§3.2,
+        :func:`~dgc_horovod.core.accumulate.clear_sent`), float16 rounding, the payload (flagged
+        non-finite where it is not). Returns (payload, the statistics row, the sent entries:
+        (idx, values, u at idx, whether to put them back after a bad step))."""
+        c, B = self.config, self.B
+        n = st.numel
+        vals = tf.gather(st.v, idx)
+        masked = c.momentum_masking and st.u is not None
+        u_sent = tf.gather(st.u, idx) if masked else tf.zeros([0], tf.float32)
+        clear_sent(B, st.u, st.v, idx, c.momentum_masking)
+        counts = tf.zeros([2], tf.int64)
+        keep, sent = finite, vals
+        if c.wire_values == "float16":
+            sent, keep, counts = self._round_to_fp16(st, idx, vals)
+            keep = tf.logical_and(keep, finite)
+        flags = tf.where(finite, 0, wire.FLAG_NONFINITE)
+        payload = encode(n, idx, sent, flags, c.wire_index, c.wire_values)
         words = tf.size(payload, out_type=tf.int64)
-        stats = tf.concat([tf.constant(row, tf.int64),
+        stats = tf.concat([tf.constant([1, 1, n], tf.int64),
                            tf.stack([tf.size(idx, out_type=tf.int64), 4 * words,
                                      tf.constant(0, tf.int64),
                                      tf.constant(4 * n, tf.int64),
@@ -779,10 +790,11 @@ class GraphCore(DGCCore):
         (:func:`frame_bucket`), one ``hvd.allgather`` for the bucket (named after its first
         member), and :func:`decode_bucket`. Where Horovod does not reduce this step (``step.
         active`` False) none of it runs. ``entries``: (name, gradient, variable or None) per
-        member, in member order. Returns per member (kind, ctx, result) for
-        :meth:`decompress_ops`: ``result`` (the decoded sum, non-finite, received bytes, framing
-        bytes). The same payloads, updates and state as one allgather per tensor, bit for bit;
-        the ops are those of a ``tf.function`` kept per bucket (:meth:`_function`)."""
+        member, in member order. Returns per member (ctx, result) for :meth:`decompress_ops`:
+        ``result`` (the decoded sum, non-finite, received bytes); the statistics row's sent bytes
+        include the member's framing words. The same payloads, updates and state as one
+        allgather per tensor, bit for bit; the ops are those of a ``tf.function`` kept per
+        bucket (:meth:`_function`)."""
         names = [name for name, _, _ in entries]
         sts = [self._traced_state(name, g) for name, g, _ in entries]
         draws = [None if self.config.exact_topk else step.draws.get(id(g))
@@ -799,8 +811,9 @@ class GraphCore(DGCCore):
             for j, ((payload, stats, sent), (dense, bad, words)) in enumerate(zip(outs, decoded)):
                 framing = 3 if j == 0 else 1    # the member word (and the bucket header)
                 own = tf.size(payload, out_type=tf.int64) + framing
-                result.append((stats, sent, (dense, bad, 4 * (words - own),
-                                             tf.constant(4 * framing, tf.int64))))
+                stats = tf.tensor_scatter_nd_add(stats, [[_WIRE]],
+                                                 tf.constant([4 * framing], tf.int64))
+                result.append((stats, sent, (dense, bad, 4 * (words - own))))
             return result
 
         fn = self._function("bucket", tuple(names), (average, process_set.process_set_id), body)
@@ -812,16 +825,14 @@ class GraphCore(DGCCore):
             else:       # an elastic job, or this rank outside the process set
                 result = tf.cond(step.active, lambda: fn(*args),
                                  lambda: [self._idle(st) for st in sts])
-        return [("sparse", (st, stats, sent), decoded)
-                for st, (stats, sent, decoded) in zip(sts, result)]
+        return [((st, stats, sent), decoded) for st, (stats, sent, decoded) in zip(sts, result)]
 
     @staticmethod
     def _idle(st):
         """A bucket member's :meth:`bucket_ops` outputs where Horovod does not reduce (unused)."""
         empty, none = tf.zeros([0], tf.float32), tf.zeros([0], tf.int64)
-        zero = tf.constant(0, tf.int64)
         return (tf.zeros([len(FIELDS)], tf.int64), (none, empty, empty, tf.constant(False)),
-                (tf.zeros([st.numel], tf.float32), tf.constant(False), zero, zero))
+                (tf.zeros([st.numel], tf.float32), tf.constant(False), tf.constant(0, tf.int64)))
 
     def _round_to_fp16(self, st, idx, vals):
         """:func:`~dgc_horovod.core.precision.round_to_fp16` as ops: (the values to send, whether
@@ -882,8 +893,7 @@ class GraphCore(DGCCore):
         else:
             idx, vals, u_sent, keep = sent
             if isinstance(result, tuple):       # a bucket's member, decoded by bucket_ops
-                dense, nonfinite, received, framing = result
-                stats = tf.tensor_scatter_nd_add(stats, [[_WIRE]], [framing])
+                dense, nonfinite, received = result
             else:
                 dense, nonfinite = decode_sum(result, st.numel, world, name)
                 received = 4 * (tf.size(result, out_type=tf.int64) - words)
@@ -985,8 +995,8 @@ class GraphPath:
         member = self._buckets(step, grads, variables, process_set, average).get(id(tensor))
         if member is not None:      # its bucket's ops are in the graph (GraphCore.bucket_ops)
             # Horovod's allreduce gets a placeholder, pruned as below
-            return tf.zeros([1], tensor.dtype), (name, tensor, var, step, member[1],
-                                                 (member[2], None), average)
+            return tf.zeros([1], tensor.dtype), (name, tensor, var, step, member[0],
+                                                 (member[1], None), average)
         kind, out, ctx = core.compress_ops(name, tensor, step, average,
                                        var if core.needs_param else None)
         if kind == "dense":
