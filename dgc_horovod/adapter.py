@@ -273,7 +273,8 @@ class DGCAdapter:
         rank of ``process_set`` (default: the global one). Copies, safe to keep. Call it between
         steps. PyTorch: ``torch.load(..., weights_only=True)`` can read it back; a RuntimeError
         in the middle of a step (between ``loss.backward()`` and ``optimizer.step()``).
-        TensorFlow: NumPy arrays (eager ``tf.Tensor`` copies with ``device="gpu"``).
+        TensorFlow: eager ``tf.Tensor`` copies (NumPy arrays with ``in_graph=False`` on the C
+        kernels, ``device="cpu"``).
         """
         self._between_steps("state_dict() was called", "call it between steps, after "
                             "optimizer.step(), as for the model's and the optimizer's")

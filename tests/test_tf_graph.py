@@ -655,3 +655,33 @@ def test_graph_buckets_equal_one_allgather_per_tensor_bit_for_bit(case, monkeypa
         for k in ("wire_bytes", "received_bytes"):
             want[k] += framing if k == "wire_bytes" else framing * (N - 1)
         assert _stats(bucketed.step_stats) == want, where
+
+
+@pytest.mark.parametrize("called", [False, True], ids=["never-called", "called"])
+def test_graph_says_once_when_an_epoch_warmup_never_gets_set_epoch(called, monkeypatch, capfd):
+    """As the eager core warns (tests/test_fidelity.py): with warmup_epochs and no set_epoch()
+    call, the traced step prints the warning to stderr once, at the first step beyond
+    EPOCH_CALL_CHECK_STEPS, naming the density still in force; after a set_epoch() call it
+    says nothing."""
+    import tensorflow as tf
+    from dgc_horovod.backends.tf_backend import TFBackend
+    from dgc_horovod.core import DGCConfig, compressor
+    from dgc_horovod.tensorflow.graph import GraphCore
+
+    monkeypatch.setattr(compressor, "EPOCH_CALL_CHECK_STEPS", 3)
+    core = GraphCore(DGCConfig(environ={}, warmup_epochs=4), TFBackend())
+    if called:
+        core.set_epoch(0)
+
+    @tf.function(autograph=False)
+    def step(g):
+        return core.step_ops([g], g, _ProcessSet(), True).step
+
+    g = tf.ones([30, 30])
+    capfd.readouterr()
+    assert [int(step(g)) for _ in range(7)] == list(range(1, 8))
+    said = [line for line in capfd.readouterr().err.splitlines() if "never called" in line]
+    if called:
+        assert said == []
+    else:
+        assert len(said) == 1 and "set_epoch" in said[0] and "density 0.25 " in said[0], said

@@ -173,16 +173,28 @@ class DGCCore:
             self._steps += 1
             self._new_step_records()
             self._fit.step_begins()
-            c = self.config
-            if (c.warmup_epochs is not None and not self._epoch_set
-                    and self._steps > EPOCH_CALL_CHECK_STEPS
-                    and c.warmup_initial_density > c.compress_ratio and c.warmup_epochs > 0):
-                self._warn_once("epoch", (
-                    f"DGC: warmup_epochs={c.warmup_epochs} makes the warm-up follow set_epoch(), "
-                    f"but after {EPOCH_CALL_CHECK_STEPS} steps it was never called: DGC still "
-                    f"sends density {self.density:g} instead of compress_ratio="
-                    f"{c.compress_ratio:g}. Call dgc.set_epoch(epoch) every epoch, or leave "
-                    "warmup_epochs=None to let DGC count its own steps (warmup_steps)"))
+            if self._epoch_call_checked() and not self._epoch_set \
+                    and self._steps > EPOCH_CALL_CHECK_STEPS:
+                self._warn_once("epoch", self._epoch_call_missing(self.density))
+
+    def _epoch_call_checked(self):
+        """Whether a warm-up that never gets set_epoch() is warned about (after
+        EPOCH_CALL_CHECK_STEPS steps): ``warmup_epochs`` set, and a warm-up that changes the
+        density."""
+        c = self.config
+        return (c.warmup_epochs is not None and c.warmup_epochs > 0
+                and c.warmup_initial_density > c.compress_ratio)
+
+    def _epoch_call_missing(self, density):
+        """The warning that set_epoch() was never called (:meth:`_epoch_call_checked`); the
+        density still in force (a number, or "%s" for a graph's print)."""
+        c = self.config
+        density = density if isinstance(density, str) else f"{density:g}"
+        return (f"DGC: warmup_epochs={c.warmup_epochs} makes the warm-up follow set_epoch(), "
+                f"but after {EPOCH_CALL_CHECK_STEPS} steps it was never called: DGC still "
+                f"sends density {density} instead of compress_ratio={c.compress_ratio:g}. "
+                "Call dgc.set_epoch(epoch) every epoch, or leave warmup_epochs=None to let DGC "
+                "count its own steps (warmup_steps)")
 
     def set_epoch(self, epoch):
         """Set the warm-up position in epochs (float >= 0); call it on every rank alike.

@@ -50,16 +50,18 @@ two models): there the warm-up advances twice as fast in the graph (``warmup_epo
 ``set_epoch`` does not depend on it).
 What the graph does not do per step: ``compress_seconds`` is 0 (no clock in the graph); the statistics
 are counted in ``tf.Variable``\\ s, one row per tensor, and read when ``dgc.stats`` is;
-float16 overflow / flush warnings are given when the statistics (or a checkpoint) are read.
+float16 overflow / flush warnings are given when the statistics (or a checkpoint) are read; the
+warning that an epoch-driven warm-up never got ``set_epoch()`` is printed to stderr by the step.
 """
 import os
+import sys
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from dgc_horovod.backends.tf_backend import variable
 from dgc_horovod.core import DGCCore, wire
-from dgc_horovod.core import checkpoint
+from dgc_horovod.core import checkpoint, compressor
 from dgc_horovod.core.checkpoint import FitCheck
 from dgc_horovod.core.accumulate import clear_sent, momentum_correction
 from dgc_horovod.core.buckets import plan_buckets
@@ -461,6 +463,8 @@ class GraphCore(DGCCore):
         with tf.init_scope():
             self._step_var = variable(0, tf.int64)
             self._epoch_density = variable(self.density, tf.float64)
+            # 1 once set_epoch() was called or the graph has said that it never was
+            self._epoch_called = variable(0, tf.int64)
         w = c.warmup_steps if c.warmup_epochs is None else 0
         self._densities = [density_at_step(i, c.compress_ratio, w, c.warmup_initial_density,
                                            c.warmup_per_step) for i in range(w + 1)]
@@ -605,6 +609,7 @@ class GraphCore(DGCCore):
     def set_epoch(self, epoch):
         super().set_epoch(epoch)
         self._epoch_density.assign(DGCCore.density.fget(self))
+        self._epoch_called.assign(1)
 
     state_dict.__doc__ = DGCCore.state_dict.__doc__
     load_state_dict.__doc__ = DGCCore.load_state_dict.__doc__
@@ -636,6 +641,8 @@ class GraphCore(DGCCore):
                 s.density = tf.gather(tf.constant(self._densities, tf.float64), at)
             else:
                 s.density = self._epoch_density.read_value()
+                if self._epoch_call_checked():
+                    self._epoch_call_check(s)
             s.world = tf.cast(world_size_op(process_set), tf.int32)
             dense = [g.values if isinstance(g, tf.IndexedSlices) else g
                      for g in grads if g is not None]
@@ -656,6 +663,19 @@ class GraphCore(DGCCore):
                         lambda ns=ns: tf.zeros([ns], tf.float64))
         self._last = s
         return s
+
+    def _epoch_call_check(self, s):
+        """The eager core's warning when an epoch-driven warm-up never gets set_epoch(), as
+        ops: printed to stderr once, at the first step beyond EPOCH_CALL_CHECK_STEPS without a
+        set_epoch() call."""
+        def say():
+            tf.print(tf.strings.format(self._epoch_call_missing("{}"), [s.density]),
+                     output_stream=sys.stderr)
+            return self._epoch_called.assign(1, read_value=True)
+
+        late = tf.logical_and(s.step > compressor.EPOCH_CALL_CHECK_STEPS,
+                              tf.equal(self._epoch_called, 0))
+        tf.cond(late, say, self._epoch_called.read_value)
 
     def _traced_state(self, name, tensor):
         """The TensorState of ``name`` the graphs hold (made now, eagerly, at its first trace)."""
