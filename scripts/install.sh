@@ -51,16 +51,19 @@ command -v patch >/dev/null 2>&1 || missing+=(patch)
 # the two-host test bed (scripts/cluster/): network namespaces + tc (iproute2), sshd in each
 command -v tc >/dev/null 2>&1 || missing+=(iproute2)
 [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
-# Debian's python3 ships its venv module (python3-venv) and the headers the Horovod build
-# compiles against (python3-dev) apart; another interpreter (DGC_PYTHON, pyenv) brings its own
-py="$(command -v "${DGC_PYTHON:-python3}" || true)"
-if [ -z "$py" ] && [ -z "${DGC_PYTHON:-}" ]; then
-    missing+=(python3 python3-venv python3-dev)
-elif [[ "$(readlink -f "$py")" == /usr/bin/* ]]; then
-    "$py" -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
-    "$py" -c 'import os, sys, sysconfig
+# Debian's own python3 (the default interpreter, in /usr/bin) ships its venv module
+# (python3-venv) and the headers the Horovod build compiles against (python3-dev) apart;
+# DGC_PYTHON, or another python3 (pyenv, the python image's /usr/local/bin), brings its own
+if [ -z "${DGC_PYTHON:-}" ]; then
+    py="$(command -v python3 || true)"
+    if [ -z "$py" ]; then
+        missing+=(python3 python3-venv python3-dev)
+    elif [[ "$(readlink -f "$py")" == /usr/bin/* ]]; then
+        "$py" -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+        "$py" -c 'import os, sys, sysconfig
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-        || missing+=(python3-dev)
+            || missing+=(python3-dev)
+    fi
 fi
 if [ ${#missing[@]} -gt 0 ]; then
     log "installing system packages: ${missing[*]}"

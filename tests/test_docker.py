@@ -146,10 +146,33 @@ def test_image_copies_the_repo_and_runs_the_make_install_script(path):
     assert ".venv" in ignored and ".git" in ignored
 
 
+#: What install.sh adds only for Debian's own python3 (DGC_PYTHON unset) when it lacks them; the
+#: images bring their interpreter's (test_images_bring_their_python's venv_and_headers).
+DEBIAN_PYTHON = {"python3", "python3-venv", "python3-dev"}
+
+
 def _install_script_system_packages():
-    """The Debian packages scripts/install.sh installs when their command is missing."""
+    """The Debian packages scripts/install.sh installs when their command is missing (not those
+    of Debian's own python3, :data:`DEBIAN_PYTHON`)."""
     text = open(os.path.join(ROOT, "scripts", "install.sh")).read()
-    return set(re.findall(r"missing\+=\(([\w.+-]+)\)", text))
+    found = set(re.findall(r"missing\+=\(([\w.+ -]+)\)", text))
+    packages = {p for group in found for p in group.split()}
+    assert DEBIAN_PYTHON <= packages, packages
+    return packages - DEBIAN_PYTHON
+
+
+def test_images_bring_their_pythons_venv_and_headers():
+    """install.sh adds python3-venv / python3-dev only for Debian's own python3 with DGC_PYTHON
+    unset: the CPU image's base is a python image (its interpreter in /usr/local/bin) or, where
+    that cannot be pulled, the local Debian base scripts/docker/test.sh builds with both; every
+    GPU stage that runs install.sh sets DGC_PYTHON (deadsnakes' python3.11 and its -venv/-dev)."""
+    assert _stages("docker/Dockerfile")[-1]["image"].startswith("python:")
+    text = open(os.path.join(ROOT, "scripts", "docker", "test.sh")).read()
+    assert re.search(r"--include=[\w,.-]*python3-venv,python3-dev", text)
+    runs_script = re.compile(r"\bbash\s+scripts/install\.sh\b")
+    for stage in _stages("docker/Dockerfile.gpu"):
+        if any(runs_script.search(run) for run in _runs(stage)):
+            assert stage["env"].get("DGC_PYTHON") == "python3.11", stage["env"]
 
 
 @pytest.mark.parametrize("path", sorted(IMAGES))
