@@ -175,7 +175,7 @@ class DGCCore:
             self._fit.step_begins()
             if self._epoch_call_checked() and not self._epoch_set \
                     and self._steps > EPOCH_CALL_CHECK_STEPS:
-                self._warn_once("epoch", self._epoch_call_missing(self.density))
+                self._warn_once("epoch", self._epoch_call_missing(f"{self.density:g}"))
 
     def _epoch_call_checked(self):
         """Whether a warm-up that never gets set_epoch() is warned about (after
@@ -186,10 +186,10 @@ class DGCCore:
                 and c.warmup_initial_density > c.compress_ratio)
 
     def _epoch_call_missing(self, density):
-        """The warning that set_epoch() was never called (:meth:`_epoch_call_checked`); the
-        density still in force (a number, or "%s" for a graph's print)."""
+        """The warning that set_epoch() was never called (:meth:`_epoch_call_checked`), naming
+        ``density``, the density still in force as text (a graph passes the placeholder of
+        ``tf.strings.format``)."""
         c = self.config
-        density = density if isinstance(density, str) else f"{density:g}"
         return (f"DGC: warmup_epochs={c.warmup_epochs} makes the warm-up follow set_epoch(), "
                 f"but after {EPOCH_CALL_CHECK_STEPS} steps it was never called: DGC still "
                 f"sends density {density} instead of compress_ratio={c.compress_ratio:g}. "
