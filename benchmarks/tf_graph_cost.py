@@ -53,7 +53,6 @@ from shapes import MODELS       # noqa: E402
 from dgc_horovod.backends.tf_backend import TFBackend     # noqa: E402
 import dgc_horovod.tensorflow.graph as graph_module     # noqa: E402
 from dgc_horovod.core import DGCConfig, DGCCore           # noqa: E402
-from dgc_horovod.core.buckets import plan_buckets        # noqa: E402
 from dgc_horovod.core.backend import NumpyBackend         # noqa: E402
 from dgc_horovod.tensorflow.graph import GraphCore, hvd   # noqa: E402
 
@@ -103,23 +102,13 @@ class _Allgather:
 
 def bucket_step(core, names, grads):
     """The traced step of one rank with the sparsified tensors in buckets (``bucket_numel``,
-    :meth:`GraphCore.bucket_ops`, as the adapter plans them), the collectives replaced."""
+    :meth:`GraphCore.plan_ops`, as the adapter plans them), the collectives replaced."""
     graph_module.hvd = _Allgather()
-    plan = plan_buckets([(n, g.shape.num_elements(), len(g.shape)) for n, g in zip(names, grads)],
-                        core.config.bucket_numel, core.config)
-    sparse = {n for members, flags in plan for n, f in zip(members, flags) if f}
 
     @tf.function
     def step(grads):
         s = core.step_ops(grads, grads[0], _ProcessSet(), True)
-        by_name = dict(zip(names, grads))
-        ctx = {}
-        for members, _ in plan:
-            sent = [(n, by_name[n], None) for n in members if n in sparse]
-            if sent:
-                for (n, _, _), (c, decoded) in zip(sent, core.bucket_ops(sent, s, _ProcessSet(),
-                                                                         True)):
-                    ctx[n] = (c, decoded)
+        ctx = core.plan_ops(list(zip(names, grads, [None] * len(grads))), s, _ProcessSet(), True)
         out = []
         for name, g in zip(names, grads):
             if name in ctx:

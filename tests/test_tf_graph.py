@@ -567,10 +567,9 @@ class _OneProcessSet(_ProcessSet):
 
 def _one_rank_fn(core, average, buckets):
     """One rank's traced step, every rank having sent the same (the allgather: N copies): its
-    sparsified gradients exchanged in buckets (GraphCore.bucket_ops, as the adapter plans them)
+    sparsified gradients exchanged in buckets (GraphCore.plan_ops, as the adapter plans them)
     or one allgather per tensor (compress_ops)."""
     import tensorflow as tf
-    from dgc_horovod.core.buckets import plan_buckets
 
     names = [name for name, _ in SHAPES]
 
@@ -578,18 +577,8 @@ def _one_rank_fn(core, average, buckets):
     def step(grads, params):
         ps = _OneProcessSet()
         s = core.step_ops(grads, grads[0], ps, average)
-        members = {}
-        if buckets:
-            sparse = {n: core._traced_state(n, g).sparse for n, g in zip(names, grads)}
-            plan = plan_buckets([(n, g.shape.num_elements(), len(g.shape))
-                                 for n, g in zip(names, grads)], core.config.bucket_numel,
-                                core.config)
-            by_name = {n: (n, g, p) for n, g, p in zip(names, grads, params)}
-            for group, _ in plan:
-                sent = [by_name[n] for n in group if sparse[n]]
-                if sent:
-                    members.update(zip([n for n, _, _ in sent],
-                                       core.bucket_ops(sent, s, ps, average)))
+        members = core.plan_ops(list(zip(names, grads, params)), s, ps, average) \
+            if buckets else {}
         updates = []
         for name, g, p in zip(names, grads, params):
             if name in members:

@@ -21,7 +21,7 @@ core, written as graph ops, in the order they run (Lin et al. 2018, Algorithm 1)
 4. **mask** (§3.2): :func:`~dgc_horovod.core.accumulate.clear_sent`; float16 wire values round
    as :func:`~dgc_horovod.core.precision.round_to_fp16` rounds them;
 5. **encode** (:func:`encode`): the payload of :mod:`dgc_horovod.core.wire`, word for word;
-   in buckets (``bucket_numel``, :meth:`GraphCore.bucket_ops`, the default) the payloads of a
+   in buckets (``bucket_numel``, :meth:`GraphCore.plan_ops`, the default) the payloads of a
    bucket's members framed into one segment (:func:`frame_bucket`, the words of
    :func:`~dgc_horovod.core.wire.frame_bucket`) for one ``hvd.allgather`` per bucket;
 6. after Horovod's allgather, **decode and average** (:func:`decode_sum`, :func:`decode_bucket`,
@@ -803,6 +803,27 @@ class GraphCore(DGCCore):
         return payload, stats, (idx, vals, u_sent, keep)
 
     @_plain
+    def plan_ops(self, entries, step, process_set, average):
+        """Every bucket of this traced reduction, as the adapter plans them: ``entries``
+        (name, gradient, variable or None) in Horovod's order, cut by
+        :func:`~dgc_horovod.core.buckets.plan_buckets` (``bucket_numel``; 0: no buckets, one
+        allgather per tensor), each bucket's sparsified members through :meth:`bucket_ops`.
+        Returns {name: (ctx, result)} of the members."""
+        out = {}
+        if not self.config.bucket_numel or not entries:
+            return out
+        by_name = {entry[0]: entry for entry in entries}
+        plan = plan_buckets([(name, g.shape.num_elements(), len(g.shape))
+                             for name, g, _ in entries], self.config.bucket_numel, self.config)
+        for members, _ in plan:
+            sent = [by_name[name] for name in members
+                    if self._traced_state(name, by_name[name][1]).sparse]
+            if sent:
+                out.update(zip([name for name, _, _ in sent],
+                               self.bucket_ops(sent, step, process_set, average)))
+        return out
+
+    @_plain
     def bucket_ops(self, entries, step, process_set, average):
         """Steps 2-6 of a bucket's sparsified members, in the graph that holds the gradients
         (outside Horovod's per-tensor branches, which cannot share ops): each member's compress
@@ -1031,29 +1052,17 @@ class GraphPath:
                              (gathered, tf.size(out, out_type=tf.int64)), average)
 
     def _buckets(self, step, grads, variables, process_set, average):
-        """{id(gradient): its member of :meth:`GraphCore.bucket_ops`} for the sparsified
-        gradients of this traced reduction, made at its first tensor: Horovod's gradients (not
-        IndexedSlices, with a static size), in its order, cut by
-        :func:`~dgc_horovod.core.buckets.plan_buckets` (``bucket_numel``; 0: none, one
-        allgather per tensor)."""
-        if step.buckets is not None:
-            return step.buckets
-        core, step.buckets = self.core, {}
-        entries = [(self._names.of(v), g, v) for g, v in zip(grads, variables)
-                   if g is not None and not isinstance(g, tf.IndexedSlices)
-                   and g.shape.num_elements() is not None]
-        if not core.config.bucket_numel or not entries:
-            return step.buckets
-        sparse = {name: core._traced_state(name, g).sparse for name, g, _ in entries}
-        by_name = {name: (name, g, v if core.needs_param else None) for name, g, v in entries}
-        plan = plan_buckets([(name, g.shape.num_elements(), len(g.shape))
-                             for name, g, _ in entries], core.config.bucket_numel, core.config)
-        for members, _ in plan:
-            sent = [by_name[name] for name in members if sparse[name]]
-            if sent:
-                for (_, g, _), member in zip(sent, core.bucket_ops(sent, step, process_set,
-                                                                   average)):
-                    step.buckets[id(g)] = member
+        """{id(gradient): its member of :meth:`GraphCore.plan_ops`} for the sparsified
+        gradients of this traced reduction, made at its first tensor from Horovod's gradients
+        (not IndexedSlices, with a static size), in its order."""
+        if step.buckets is None:
+            entries = [(self._names.of(v), g, v if self.core.needs_param else None)
+                       for g, v in zip(grads, variables)
+                       if g is not None and not isinstance(g, tf.IndexedSlices)
+                       and g.shape.num_elements() is not None]
+            grad_of = {name: g for name, g, _ in entries}
+            step.buckets = {id(grad_of[name]): member for name, member in
+                            self.core.plan_ops(entries, step, process_set, average).items()}
         return step.buckets
 
     def decompress(self, tensor, ctx):
