@@ -240,8 +240,10 @@ class DGCAdapter:
         """Set the warm-up position (epochs completed, float); call on every rank alike."""
         self._core.set_epoch(epoch)
 
-    def set_step(self, step, steps_per_epoch):
-        """Set the warm-up position from a step count: epoch = step / steps_per_epoch."""
+    def set_step(self, step, steps_per_epoch=None):
+        """Set the warm-up position from a global step count (e.g. on resume without a DGC
+        checkpoint): the next step is step ``step`` (0-based); with ``warmup_epochs`` the epoch
+        becomes step / steps_per_epoch (then required)."""
         self._core.set_step(step, steps_per_epoch)
 
     density = _from_core("density", "The density in force now (float, warm-up schedule).")

@@ -365,6 +365,30 @@ def test_core_density_follows_set_step(per_step):
                                              rel=1e-12)
 
 
+def test_warmup_position_takes_numpy_scalars():
+    """set_epoch / set_step take NumPy scalars (a loop counter from np.arange) as Python's."""
+    core = DGCCore(DGCConfig(compress_ratio=0.001, warmup_epochs=4), BACKENDS["numpy"])
+    for epoch in (np.int64(2), np.float32(2.0)):
+        core.set_epoch(epoch)
+        assert core.epoch == 2.0 and type(core.epoch) is float
+    core.set_step(np.int64(30), np.int32(10))
+    assert core.epoch == 3.0
+    with pytest.raises(ValueError, match="step must be an int >= 0, got float64"):
+        core.set_step(np.float64(3.0), 10)
+    steps = DGCCore(DGCConfig(compress_ratio=0.001, warmup_epochs=None, warmup_steps=8),
+                    BACKENDS["numpy"])
+    steps.set_step(np.int64(100))
+    assert steps.steps == 100 and type(steps.steps) is int
+
+
+def test_seed_range_is_checked_by_name():
+    """A seed no backend's generator takes is refused by the config, naming seed."""
+    assert DGCConfig(seed=2 ** 63 - 1).seed == 2 ** 63 - 1
+    for bad in (2 ** 63, 2 ** 70, -1):
+        with pytest.raises(ValueError, match=r"seed must be an int in \[0, 9223372036854775807\]"):
+            DGCConfig(seed=bad)
+
+
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_sent_count_follows_warmup(backend):
     n = 20000

@@ -73,6 +73,14 @@ def test_set_epoch_refuses_strings():
         DGC().set_epoch("1")
 
 
+def test_set_step_needs_steps_per_epoch_only_with_warmup_epochs():
+    dgc = DGC(warmup_steps=8)
+    dgc.set_step(100)                       # the step-counted warm-up: no epoch length needed
+    assert dgc.density == dgc.config.compress_ratio
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        DGC(warmup_epochs=2).set_step(10)
+
+
 @pytest.mark.parametrize("uncalled, right_line", [("factory", "dgc = Compression.dgc("),
                                                   ("class", "dgc = DGC(")])
 def test_uncalled_factory_or_class_shows_the_right_line(uncalled, right_line):

@@ -64,6 +64,7 @@ the rank that overflowed drops its state of the tensor, u and v restart at zero)
 loss scaler (:meth:`DGCCore.set_loss_scale`) every tensor's state follows the step's loss scale,
 so that the update after unscaling is bit-identical to training without one.
 """
+import numbers
 import threading
 import time
 import warnings
@@ -201,7 +202,7 @@ class DGCCore:
 
         Only with ``warmup_epochs`` set: by default DGC counts its own steps (``warmup_steps``)
         and this call changes nothing (it warns once)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, float)):
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Real):
             raise TypeError(f"epoch must be a number >= 0, got {type(epoch).__name__} {epoch!r}")
         density_at(epoch, self.config.compress_ratio)  # validates the value
         self.epoch = float(epoch)
@@ -216,17 +217,19 @@ class DGCCore:
         """Set the warm-up position from a global step count (e.g. on resume without a DGC
         checkpoint): with the default step-counted warm-up the next step is step ``step``
         (0-based); with ``warmup_epochs`` the epoch becomes step / steps_per_epoch."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {type(step).__name__} {step!r}")
+        step = int(step)
         if self.config.warmup_epochs is None:
             with self._lock:
                 self._steps = step
                 self._stats.restart()
             return
-        if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
+        if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, numbers.Integral) \
+                or steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r} "
                              "(needed with warmup_epochs)")
-        self.set_epoch(step / steps_per_epoch)
+        self.set_epoch(step / int(steps_per_epoch))
 
     # ----------------------------------------------------------------- loss scale
     @property

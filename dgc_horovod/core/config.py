@@ -45,12 +45,13 @@ def _check_nonneg(name, value, allow_none=False, upper=None):
     return value
 
 
-def _check_int(name, value, minimum):
+def _check_int(name, value, minimum, maximum=None):
+    form = f"an int >= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be {form}, got {type(value).__name__} {value!r}")
     value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be {form}, got {value!r}")
     return value
 
 
@@ -101,6 +102,9 @@ _CLIP_SCOPES = ("global", "tensor")
 _WD_MODES = ("separate", "accumulated")
 _EXCHANGES = ("allgather", "regions")
 
+#: The largest seed: the generators of every backend take a signed 64-bit seed.
+SEED_MAX = 2 ** 63 - 1
+
 # option: (default, check(name, value) -> value, parse(text) -> value, the environment form)
 _OPTIONS = {
     "compress_ratio": (0.004, _check_fraction, float, "a float in (0, 1]"),
@@ -123,7 +127,7 @@ _OPTIONS = {
                       "a finite float >= 0, or none to count the warm-up in steps"),
     "warmup_initial_density": (0.25, _check_fraction, float, "a float in (0, 1]"),
     "warmup_per_step": (False, _check_bool, _parse_bool, _BOOL_FORM),
-    "seed": (0, lambda n, v: _check_int(n, v, 0), int, "an int >= 0"),
+    "seed": (0, lambda n, v: _check_int(n, v, 0, SEED_MAX), int, f"an int in [0, {SEED_MAX}]"),
     "wire_index": ("delta16", lambda n, v: _check_choice(n, v, _INDEX), str.lower,
                    "one of delta16, int32"),
     "wire_values": ("float32", lambda n, v: _check_choice(n, v, _VALUES), str.lower,
@@ -214,10 +218,11 @@ class DGCConfig:
             paper's schedule (one stage per epoch), and follows ``set_epoch`` / ``set_step``,
             which must then be called every epoch.
         warmup_initial_density (float): density at the start of the warm-up. Default 0.25
-            (75% sparsity); it then falls geometrically to ``compress_ratio``.
+            (75% sparsity); it then falls geometrically to ``compress_ratio``. At or below
+            ``compress_ratio``: no warm-up.
         warmup_per_step (bool): False (paper): density changes in stages (each quarter of
             ``warmup_steps``, or each whole epoch). True: it falls smoothly.
-        seed (int): seed of the random sampling used by the threshold estimate.
+        seed (int): seed of the random sampling used by the threshold estimate, in [0, 2**63 - 1].
         bucket_numel (int): the adapters send the payloads of several tensors in one
             allgather: consecutive parameters are grouped until their dense size reaches this
             many elements (PyTorch: in reverse registration order, roughly the order backward
