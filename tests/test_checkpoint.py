@@ -105,7 +105,8 @@ NAMES = ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
 def test_checkpoint_of_other_names_is_refused_at_the_first_step(resumed):
     """Saved under 'fc1.weight', ..., loaded into a model Horovod names 'module.fc1.weight', ...
     (a wrapped module): the first step raises on every rank, naming both kinds, and changes
-    nothing; reset_residuals=True is the way out, and no stale name reaches a later checkpoint."""
+    nothing; reset_residuals=True is the way out, on the same optimizer (it trains as a new one
+    does), and no stale name reaches a later checkpoint."""
     for rr in resumed[2]["ranks"]:
         msg = rr["renamed_error"]
         assert msg is not None, "a checkpoint of other names was accepted"
@@ -116,6 +117,8 @@ def test_checkpoint_of_other_names_is_refused_at_the_first_step(resumed):
         assert rr["renamed_params_unchanged"]
         assert rr["renamed_states_after_error"] == NAMES and rr["renamed_steps_after_error"] == 6
         assert rr["renamed_reset_saved_tensors"] == ["module." + n for n in NAMES]
+        assert rr["renamed_reset_as_new"], "after the refusal, the same optimizer trained " \
+            "otherwise than a new one"
 
 
 @pytest.mark.horovodrun
@@ -128,6 +131,7 @@ def test_checkpoint_missing_a_parameter_is_refused_at_the_first_step(resumed):
         assert rr["missing_params_unchanged"]
         assert rr["missing_states_after_error"] == ["fc1.bias", "fc1.weight", "fc2.weight"]
         assert rr["missing_reset_saved_tensors"] == NAMES
+        assert rr["missing_reset_as_new"]
 
 
 @pytest.mark.horovodrun

@@ -67,6 +67,7 @@ def test_checkpoint_of_other_names_is_refused_at_the_first_step(run):
     assert r["saved_False"] == ["fc1/bias:0", "fc1/kernel:0", "fc2/bias:0", "fc2/kernel:0"]
     assert r["error_True"] is None and r["changed_True"]
     assert r["saved_True"] == ["head1/bias:0", "head1/kernel:0", "head2/bias:0", "head2/kernel:0"]
+    assert r["same_objects_changed"] and r["same_objects_saved"] == r["saved_True"]
 
 
 def test_keras_fit_with_warmup_callback(run):

@@ -21,11 +21,9 @@ How it rides on stock Horovod (0.28.x, unmodified, nothing patched):
   bucket's last sparsified member arrives, overlapping with the rest of backward) or, with
   ``bucket_numel=0``, one per tensor (``dgc.<parameter name>``); Horovod's own allreduce carries a
   1-element zero placeholder for it. ``decompress`` sums every rank's entries in rank order
-  (bit-identical on every rank) and divides by the world size for ``op=hvd.Average``. With
-  ``exchange="regions"`` each allgather becomes an ``hvd.alltoall_async`` (rank j receives every
-  rank's entries in its region j of each tensor) and an allgather of what each region's owner
-  kept of the sum: per-rank traffic about 2k instead of (N − 1)·k (docs/scaling.md). Tensors
-  that are not sparsified (1-D by default) go through Horovod's dense allreduce as their
+  (bit-identical on every rank) and divides by the world size for ``op=hvd.Average``
+  (``exchange="regions"``: an alltoall and an allgather instead, docs/scaling.md). Tensors that
+  are not sparsified (1-D by default) go through Horovod's dense allreduce as their
   momentum-corrected velocity. With global clipping (``clip_norm``, ``clip_scope="global"``)
   every gradient waits for the step's last one, so the exchange no longer overlaps with backward.
 * **One process.** With ``hvd.size() == 1`` Horovod's optimizer never calls the compressor, so DGC
@@ -44,7 +42,8 @@ from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch import elastic, loss_scale
 from dgc_horovod.torch.exchange import Exchange, Pending
-from dgc_horovod.torch.params import OptimizerChecks, check_one_synchronize, find_parameter
+from dgc_horovod.torch.params import (OptimizerChecks, check_one_synchronize, find_parameter,
+                                      undo_refused_step)
 
 __all__ = ["DGC"]
 
@@ -61,30 +60,26 @@ class DGC(DGCAdapter, Compressor):
     ``warmup_epochs=...`` it follows ``set_epoch(epoch)`` instead, which must then be called
     every epoch (DGC warns when it never is).
 
-    Checkpoint and resume: DGC state is per rank, so each rank saves its own file, e.g.
-    ``torch.save({"model": ..., "optimizer": ..., "dgc": dgc.state_dict()},
-    f"ckpt.rank{hvd.rank()}.pt")``, and loads it on the same rank of a job of the same size with
-    ``dgc.load_state_dict(ckpt["dgc"])``: training then continues bit-identically (see
-    :meth:`load_state_dict`, and ``reset_residuals=True`` for a different number of ranks).
+    Checkpoint and resume: DGC state is per rank; each rank saves ``dgc.state_dict()`` in its own
+    file and loads it with ``dgc.load_state_dict(sd)`` on the same rank of a job of the same size:
+    training continues bit-identically (``reset_residuals=True``: another number of ranks).
 
-    Horovod Elastic: ``hvd.elastic.TorchState(model=model, optimizer=opt, dgc=dgc, ...)`` commits
-    and restores this object with the model (see :mod:`dgc_horovod.torch.elastic`); at every
-    reset each rank drops its velocities and residuals (:meth:`on_reset`).
+    Horovod Elastic: ``hvd.elastic.TorchState(..., dgc=dgc)`` commits and restores it with the
+    model; every reset drops this rank's velocities and residuals (:meth:`on_reset`).
 
-    Mixed precision: pass the loss scaler, ``DGC(..., loss_scaler=scaler)`` with
-    ``scaler = torch.amp.GradScaler()``, and DGC keeps its velocities and residuals in the units
-    of the scaler's scale, so that after ``scaler.unscale_(opt)`` the update is the one DGC gives
-    without a loss scaler (:mod:`dgc_horovod.torch.loss_scale`).
+    Mixed precision: ``DGC(..., loss_scaler=scaler)`` (a ``torch.amp.GradScaler``): u and v stay
+    in the scaler's units, so after ``scaler.unscale_(opt)`` the update is DGC's without one.
 
     Attributes: config (DGCConfig), stats (the most recent step's CompressionStats of this rank:
     elements selected, wire bytes, dense bytes, ratio), total_stats (cumulative), density (in
     force: warm-up), resets (how many times the elastic reset rule was applied here,
     :meth:`on_reset`).
 
-    Raises (from compress, i.e. from ``loss.backward()``):
+    Raises (from compress, i.e. from ``loss.backward()``; refused at a step's first gradient,
+    the optimizer stays usable):
         TypeError: a non-floating gradient. ValueError: momentum set both here and in the wrapped
-        optimizer; a parameter whose size changed. RuntimeError: used outside
-        ``hvd.DistributedOptimizer``, or with ``op=hvd.Adasum``.
+        optimizer; a parameter whose size changed; a loaded state that does not fit the model.
+        RuntimeError: used outside ``hvd.DistributedOptimizer``, or with ``op=hvd.Adasum``.
     """
 
     _hvd = hvd
@@ -106,28 +101,30 @@ class DGC(DGCAdapter, Compressor):
 
     # Horovod Compressor API ---------------------------------------------------------------
     def compress(self, tensor):
-        """Accumulate ``tensor`` (a parameter's gradient) and start its exchange.
-
-        Returns (tensor for Horovod's allreduce, ctx): a 1-element zero placeholder for a
-        sparsified tensor, or the dense momentum-corrected velocity for a small tensor.
-
-        With ``bucket_numel=0`` a sparsified tensor is compressed and sent at once; in bucketed
+        """Accumulate ``tensor`` (a parameter's gradient) and start its exchange. Returns
+        (tensor for Horovod's allreduce, ctx): a 1-element zero placeholder for a sparsified
+        tensor, or the dense momentum-corrected velocity for a small tensor. With ``bucket_numel=0`` a sparsified tensor is compressed and sent at once; in bucketed
         mode it is only checked and recorded here, and its bucket is compressed and sent when its
-        last sparsified member arrives or, if still incomplete, in decompress.
+        last sparsified member arrives or, if still incomplete, in decompress. A refusal of the
+        step's first gradient leaves Horovod's optimizer usable (``params.undo_refused_step``).
         """
         opt, p, name = find_parameter(tensor, self)
         check_one_synchronize(opt)
+        try:
+            return self._compress(opt, p, name, tensor)
+        except BaseException:
+            undo_refused_step(opt)              # when nothing of the step was sent
+            raise
+
+    def _compress(self, opt, p, name, tensor):
         self._follow_horovod()
         if self._loss_scaler is not None and self._exchange.idle:    # the step's first gradient
             self._read_loss_scale()
         if self._core.fit_pending:                  # the first step after load_state_dict
             self._core.check_fit(opt._parameter_names.values())
         self._checks(opt, p, name)
-        process_set = opt.process_set
-        world = process_set.size()
-        average = opt.op == hvd.Average
-        exchange = self._exchange
-        param = p.detach()
+        process_set, exchange, param = opt.process_set, self._exchange, p.detach()
+        world, average = process_set.size(), opt.op == hvd.Average
         sparse = is_sparse(tensor.numel(), tensor.dim(), self.config)
         in_place = tensor.dtype is torch.float32 and tensor.is_contiguous()   # see Pending.out
         into = tensor if sparse and in_place else None

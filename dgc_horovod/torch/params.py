@@ -15,8 +15,9 @@ accumulated gradient), and for parameters without a gradient in a step (Horovod 
 DGC then only decays the velocity). Called from anywhere else, DGC raises a RuntimeError saying
 how to use it.
 
-At a parameter's first step :class:`OptimizerChecks` then checks the optimizer it was found in:
-one optimizer per DGC, and momentum not applied twice.
+At the first gradient :class:`OptimizerChecks` then checks the optimizer it was found in: one
+optimizer per DGC, and momentum not applied twice to any parameter it reduces. When DGC refuses a
+step's first gradient, :func:`undo_refused_step` leaves Horovod's optimizer usable.
 """
 import sys
 import warnings
@@ -26,7 +27,7 @@ import horovod.torch as hvd
 import torch
 
 __all__ = ["find_parameter", "check_one_synchronize", "reduced_parameters", "param_group",
-           "OptimizerChecks"]
+           "OptimizerChecks", "undo_refused_step"]
 
 _HINT = ("pass it to horovod.torch.DistributedOptimizer(..., compression=DGC(...)); "
          "DGC keeps per-parameter state and must know which parameter a gradient belongs to")
@@ -119,11 +120,14 @@ def param_group(opt, p):
 
 
 class OptimizerChecks:
-    """The checks of a parameter's first step with one DGC (call it with (optimizer, parameter,
-    name) at every compress; a checked parameter costs a set lookup): one optimizer per DGC (a
+    """The checks of a step's first gradient with one DGC (call it with (optimizer, parameter,
+    name) at every compress; once passed, a call costs a set lookup): one optimizer per DGC (a
     second one is refused, its per-parameter residuals would mix the two models' gradients),
-    momentum not applied twice (``check_momentum(name, optimizer, momentum)``, the adapter's),
-    and a warning for Adam-like optimizers when DGC's momentum (``config.momentum``) is > 0."""
+    momentum not applied twice to any parameter the optimizer reduces (``check_momentum(name,
+    optimizer, momentum)``, the adapter's), and a warning for Adam-like optimizers when DGC's
+    momentum (``config.momentum``) is > 0. Every reduced parameter is checked at the first
+    gradient, so a refusal comes before anything of the step is sent (:func:`undo_refused_step`
+    then leaves Horovod's optimizer usable)."""
 
     def __init__(self, config, check_momentum):
         self._config, self._check_momentum = config, check_momentum
@@ -140,15 +144,22 @@ class OptimizerChecks:
             raise ValueError("one DGC object is the compression of two DistributedOptimizers; "
                              "its per-parameter residuals would mix the two models' gradients. "
                              "Create one DGC(...) per optimizer.")
-        group = param_group(opt, p)
-        if group is not None:
-            if "betas" in group and self._config.momentum > 0 and not self._checked:
-                warnings.warn(
-                    f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
-                    f"momentum={self._config.momentum}) adds momentum correction on top. For "
-                    "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
-            self._check_momentum(name, opt, group.get("momentum", 0.0) or 0.0)
-        self._checked.add(name)
+        named = [(q, opt._parameter_names.get(q)) for q in reduced_parameters(opt)]
+        todo = [(q, q_name) for q, q_name in named
+                if q_name is not None and q_name not in self._checked]
+        if not any(q is p for q, _ in todo):
+            todo.append((p, name))
+        groups = [(q_name, param_group(opt, q)) for q, q_name in todo]
+        groups = [(q_name, group) for q_name, group in groups if group is not None]
+        if self._config.momentum > 0 and not self._checked \
+                and any("betas" in group for _, group in groups):
+            warnings.warn(
+                f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
+                f"momentum={self._config.momentum}) adds momentum correction on top. For "
+                "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
+        for q_name, group in groups:
+            self._check_momentum(q_name, opt, group.get("momentum", 0.0) or 0.0)
+        self._checked.update(q_name for _, q_name in todo)
 
     def optimizer(self):
         """The optimizer this DGC serves (None before its first gradient)."""
@@ -158,3 +169,21 @@ class OptimizerChecks:
         """Check every parameter again at its next step (the elastic reset rule); the optimizer
         this DGC serves stays."""
         self._checked = set()
+
+
+def undo_refused_step(opt):
+    """After DGC refused a step's first gradient (raising from ``compress``, before anything
+    was sent): put Horovod's optimizer ``opt`` back as it was before the step's first backward,
+    so that the same optimizer can go on once the cause is fixed (e.g.
+    ``dgc.load_state_dict(sd, reset_residuals=True)``, then ``opt.zero_grad()`` and a new
+    backward). Horovod's hook counts a backward pass down (``_allreduce_delay``) before it calls
+    ``compress`` and records the parameter's handle after it; left so, its next backward fails
+    an assertion and ``zero_grad()`` refuses. Returns False, changing nothing, when a
+    collective of the step is already in flight (a handle that is not None): that step cannot be
+    taken back."""
+    if any(handle is not None for handle, _ in opt._handles.values()):
+        return False
+    opt._handles.clear()
+    for q in opt._allreduce_delay:
+        opt._allreduce_delay[q] = opt.backward_passes_per_step
+    return True

@@ -179,12 +179,17 @@ def misfit(ckpt, sd):
                                              for n, p in model.named_parameters())
         out[key + "_states_after_error"] = sorted(dgc.states)
         out[key + "_steps_after_error"] = dgc._core.steps
-        # the way out, on a new optimizer (Horovod's is unusable after an error in backward)
-        model, opt, dgc = make(prefix)
-        model.load_state_dict(ckpt["model"])
+        # the way out, on the same optimizer (the refused step left Horovod's usable), trains
+        # as a new model, optimizer and DGC do
         dgc.load_state_dict(state, reset_residuals=True)
         train(model, opt, dgc, ckpt["step"], ckpt["step"] + 2)
         out[key + "_reset_saved_tensors"] = sorted(dgc.state_dict()["tensors"])
+        model2, opt2, dgc2 = make(prefix)
+        model2.load_state_dict(ckpt["model"])
+        dgc2.load_state_dict(state, reset_residuals=True)
+        train(model2, opt2, dgc2, ckpt["step"], ckpt["step"] + 2)
+        out[key + "_reset_as_new"] = all(torch.equal(p, q) for p, q in
+                                         zip(model.parameters(), model2.parameters()))
     return out
 
 

@@ -233,7 +233,8 @@ def scenario_fp16_overflow(results, steps=12):
 
 def scenario_checkpoint_misfit(results):
     """A DGC state saved under the layer names fc1/fc2, loaded for a model whose layers are
-    named head1/head2: refused at the first step, reset_residuals=True is the way out."""
+    named head1/head2: refused at the first step, reset_residuals=True is the way out (on a new
+    DGC, and on the refused one with the same model)."""
     dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
     train_tape(make_model(), dgc, steps=2)
     sd = dgc.state_dict()
@@ -250,6 +251,11 @@ def scenario_checkpoint_misfit(results):
             out[f"error_{reset}"] = str(e)
         out[f"changed_{reset}"] = bool((flat(model).numpy() != before).any())
         out[f"saved_{reset}"] = sorted(dgc.state_dict()["tensors"])
+        if not reset:       # the way out on the same DGC and model, after the refusal
+            dgc.load_state_dict(sd, reset_residuals=True)
+            train_tape(model, dgc, steps=2)
+            out["same_objects_changed"] = bool((flat(model).numpy() != before).any())
+            out["same_objects_saved"] = sorted(dgc.state_dict()["tensors"])
     results["checkpoint_misfit"] = out
 
 

@@ -321,14 +321,56 @@ def scenario_fp16_overflow(results, prefix, steps=16):
 
 
 def scenario_momentum_twice(results, prefix):
-    """Momentum in both DGC and the wrapped SGD is refused with a clear error (runs last)."""
-    model, opt = make(prefix, DGC(momentum=0.9), momentum=0.9)
-    x, y = batches(1, 7)[0]
+    """Momentum in both DGC and the wrapped SGD for fc1 only (its own parameter group; its
+    gradients come last in backward): refused at the step's first gradient, naming fc1's
+    weight, before anything is sent; Horovod's optimizer stays usable, so once fc1's momentum is
+    0 the same optimizer trains 3 steps, the replicas identical."""
+    torch.manual_seed(1234)
+    model = Net()
+    named = [(f"{prefix}.{n}", p) for n, p in model.named_parameters()]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("fc1.")]
+    opt = torch.optim.SGD([{"params": list(model.fc1.parameters()), "momentum": 0.9},
+                           {"params": rest}], lr=LR, momentum=0.0)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=named,
+                                   compression=DGC(momentum=0.9, warmup_steps=0))
+    data = batches(3, 7)
     try:
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(data[0][0]), data[0][1]).backward()
         results["momentum_twice"] = None
     except ValueError as e:
         results["momentum_twice"] = str(e)
+    opt.param_groups[0]["momentum"] = 0.0
+    before = flat_params(model).clone()
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    results["momentum_twice_then_trained"] = {
+        "changed": bool((flat_params(model) != before).any()),
+        "identical": identical_across_ranks(model)}
+
+
+def scenario_adam_warning(results, prefix):
+    """Adam (its own moment estimates) with DGC(momentum=0.9): one warning per rank at the first
+    step, whatever the number of parameters; with DGC(momentum=0): none."""
+    out = {}
+    for momentum in (0.9, 0.0):
+        torch.manual_seed(1234)
+        model = Net()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-3),
+            named_parameters=[(f"{prefix}{int(momentum * 10)}.{n}", p)
+                              for n, p in model.named_parameters()],
+            compression=DGC(momentum=momentum))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in batches(2, 3):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        out[str(momentum)] = [str(w.message) for w in caught if "moment estimates" in
+                              str(w.message)]
+    results["adam_warning"] = out
 
 
 def scenario_model_mismatch(results, prefix):
@@ -463,7 +505,8 @@ def main():
     run_scenarios([(scenario_identical, "id"), (scenario_compress_many, "cm"),
                    (scenario_equivalence, "eq"), (scenario_wire, "wire"),
                    (scenario_nonfinite, "nf"), (scenario_fp16_overflow, "fp16"),
-                   (scenario_momentum_twice, "mt"), (scenario_model_mismatch, "mm"),
+                   (scenario_momentum_twice, "mt"), (scenario_adam_warning, "adam"),
+                   (scenario_model_mismatch, "mm"),
                    (scenario_misuse, "mu"), (scenario_step_patterns, "sp")])
 
 
