@@ -324,30 +324,36 @@ def scenario_momentum_twice(results, prefix):
     """Momentum in both DGC and the wrapped SGD for fc1 only (its own parameter group; its
     gradients come last in backward): refused at the step's first gradient, naming fc1's
     weight, before anything is sent; Horovod's optimizer stays usable, so once fc1's momentum is
-    0 the same optimizer trains 3 steps, the replicas identical."""
-    torch.manual_seed(1234)
-    model = Net()
-    named = [(f"{prefix}.{n}", p) for n, p in model.named_parameters()]
-    rest = [p for n, p in model.named_parameters() if not n.startswith("fc1.")]
-    opt = torch.optim.SGD([{"params": list(model.fc1.parameters()), "momentum": 0.9},
-                           {"params": rest}], lr=LR, momentum=0.0)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=named,
-                                   compression=DGC(momentum=0.9, warmup_steps=0))
-    data = batches(3, 7)
-    try:
-        F.cross_entropy(model(data[0][0]), data[0][1]).backward()
-        results["momentum_twice"] = None
-    except ValueError as e:
-        results["momentum_twice"] = str(e)
-    opt.param_groups[0]["momentum"] = 0.0
-    before = flat_params(model).clone()
-    for x, y in data:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    results["momentum_twice_then_trained"] = {
-        "changed": bool((flat_params(model) != before).any()),
-        "identical": identical_across_ranks(model)}
+    0 the same optimizer trains 3 steps, the replicas identical. Once with one backward pass per
+    step, once with two (the refusal then comes in the second)."""
+    for passes in (1, 2):
+        torch.manual_seed(1234)
+        model = Net()
+        named = [(f"{prefix}{passes}.{n}", p) for n, p in model.named_parameters()]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("fc1.")]
+        opt = torch.optim.SGD([{"params": list(model.fc1.parameters()), "momentum": 0.9},
+                               {"params": rest}], lr=LR, momentum=0.0)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=named,
+                                       compression=DGC(momentum=0.9, warmup_steps=0),
+                                       backward_passes_per_step=passes)
+        data = batches(3 * passes, 7)
+        key = "momentum_twice" + ("" if passes == 1 else f"_passes{passes}")
+        try:
+            for x, y in data[:passes]:
+                F.cross_entropy(model(x), y).backward()
+            results[key] = None
+        except ValueError as e:
+            results[key] = str(e)
+        opt.param_groups[0]["momentum"] = 0.0
+        before = flat_params(model).clone()
+        for step in range(3):
+            opt.zero_grad()
+            for x, y in data[step * passes:(step + 1) * passes]:
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+        results[key + "_then_trained"] = {
+            "changed": bool((flat_params(model) != before).any()),
+            "identical": identical_across_ranks(model)}
 
 
 def scenario_adam_warning(results, prefix):
