@@ -126,8 +126,8 @@ def test_fp16_overflow_makes_grad_scaler_back_off_on_every_rank(run):
 def test_momentum_in_both_places_is_an_error_and_the_optimizer_goes_on(run):
     """Refused at the step's first gradient for a parameter whose gradient comes last (every
     reduced parameter is checked then); the same Horovod optimizer trains once it is fixed."""
-    for key, name in (("momentum_twice", "'mt1.fc1.weight'"),
-                      ("momentum_twice_passes2", "'mt2.fc1.weight'")):     # 2 backward passes
+    for variant in ("", "_passes2", "_groups"):      # 2 backward passes; Horovod's groups=
+        key, name = "momentum_twice" + variant, f"'mt{variant}.fc1.weight'"
         msg = run[0][key]
         assert msg is not None and "momentum would be applied twice" in msg
         assert "momentum=0" in msg and name in msg, msg

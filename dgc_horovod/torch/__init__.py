@@ -113,7 +113,8 @@ class DGC(DGCAdapter, Compressor):
         try:
             return self._compress(opt, p, name, tensor)
         except BaseException:
-            undo_refused_step(opt)              # when nothing of the step was sent
+            if self._exchange.idle:             # DGC took nothing of the step: nor will Horovod
+                undo_refused_step(opt)
             raise
 
     def _compress(self, opt, p, name, tensor):

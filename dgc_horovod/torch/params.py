@@ -177,13 +177,18 @@ def undo_refused_step(opt):
     so that the same optimizer can go on once the cause is fixed (e.g.
     ``dgc.load_state_dict(sd, reset_residuals=True)``, then ``opt.zero_grad()`` and a new
     backward). Horovod's hook counts a backward pass down (``_allreduce_delay``) before it calls
-    ``compress`` and records the parameter's handle after it; left so, its next backward fails
-    an assertion and ``zero_grad()`` refuses. Returns False, changing nothing, when a
-    collective of the step is already in flight (a handle that is not None): that step cannot be
-    taken back."""
+    ``compress`` and records the parameter's handle after it; with ``groups=`` it also counts a
+    group's ready members (``_group_counts``). Left so, its next backward fails an assertion or
+    reduces a group before all its gradients exist, and ``zero_grad()`` refuses. Returns False,
+    changing nothing, when a collective of the step is already in flight (a handle that is not
+    None): that step cannot be taken back. Call it only when DGC took nothing of the step
+    either (its exchange idle)."""
     if any(handle is not None for handle, _ in opt._handles.values()):
         return False
     opt._handles.clear()
     for q in opt._allreduce_delay:
         opt._allreduce_delay[q] = opt.backward_passes_per_step
+    counts = getattr(opt, "_group_counts", None) or {}
+    for group in counts:
+        counts[group] = 0
     return True

@@ -324,20 +324,25 @@ def scenario_momentum_twice(results, prefix):
     """Momentum in both DGC and the wrapped SGD for fc1 only (its own parameter group; its
     gradients come last in backward): refused at the step's first gradient, naming fc1's
     weight, before anything is sent; Horovod's optimizer stays usable, so once fc1's momentum is
-    0 the same optimizer trains 3 steps, the replicas identical. Once with one backward pass per
-    step, once with two (the refusal then comes in the second)."""
-    for passes in (1, 2):
+    0 the same optimizer trains 3 steps, the replicas identical. With one backward pass per
+    step; with two (the refusal then comes in the second); and with Horovod's ``groups=`` (a
+    group holding fc1 was partly counted when the refusal came)."""
+    for variant, passes in (("", 1), ("_passes2", 2), ("_groups", 1)):
         torch.manual_seed(1234)
         model = Net()
-        named = [(f"{prefix}{passes}.{n}", p) for n, p in model.named_parameters()]
+        named = [(f"{prefix}{variant}.{n}", p) for n, p in model.named_parameters()]
         rest = [p for n, p in model.named_parameters() if not n.startswith("fc1.")]
         opt = torch.optim.SGD([{"params": list(model.fc1.parameters()), "momentum": 0.9},
                                {"params": rest}], lr=LR, momentum=0.0)
+        groups = [[model.fc2.weight, model.fc2.bias, model.aux.weight],
+                  [model.aux.bias, model.fc1.weight, model.fc1.bias]] \
+            if variant == "_groups" else None
         opt = hvd.DistributedOptimizer(opt, named_parameters=named,
                                        compression=DGC(momentum=0.9, warmup_steps=0),
-                                       backward_passes_per_step=passes)
+                                       backward_passes_per_step=passes,
+                                       groups=groups)
         data = batches(3 * passes, 7)
-        key = "momentum_twice" + ("" if passes == 1 else f"_passes{passes}")
+        key = "momentum_twice" + variant
         try:
             for x, y in data[:passes]:
                 F.cross_entropy(model(x), y).backward()
