@@ -379,6 +379,15 @@ def test_warmup_position_takes_numpy_scalars():
                     BACKENDS["numpy"])
     steps.set_step(np.int64(100))
     assert steps.steps == 100 and type(steps.steps) is int
+    for bad in (0, -5, 2.5):            # given, it is checked in either mode
+        with pytest.raises(ValueError, match="steps_per_epoch must be an int >= 1"):
+            steps.set_step(3, bad)
+    assert steps.steps == 100
+
+
+def test_negative_zero_is_zero():
+    """HOROVOD_DGC_MOMENTUM=-0.0 printed momentum=-0.0 in str(config)."""
+    assert str(DGCConfig(momentum=-0.0).momentum) == "0.0"
 
 
 def test_seed_range_is_checked_by_name():

@@ -220,15 +220,17 @@ class DGCCore:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {type(step).__name__} {step!r}")
         step = int(step)
-        if self.config.warmup_epochs is None:
+        epochs = self.config.warmup_epochs is not None
+        if (epochs or steps_per_epoch is not None) and (
+                isinstance(steps_per_epoch, bool)
+                or not isinstance(steps_per_epoch, numbers.Integral) or steps_per_epoch < 1):
+            raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}"
+                             + (" (needed with warmup_epochs)" if epochs else ""))
+        if not epochs:
             with self._lock:
                 self._steps = step
                 self._stats.restart()
             return
-        if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, numbers.Integral) \
-                or steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r} "
-                             "(needed with warmup_epochs)")
         self.set_epoch(step / int(steps_per_epoch))
 
     # ----------------------------------------------------------------- loss scale

@@ -42,7 +42,7 @@ def _check_nonneg(name, value, allow_none=False, upper=None):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if upper is not None and not value < upper:
         raise ValueError(f"{name} must be < {upper}, got {value!r}")
-    return value
+    return value + 0.0                  # -0.0 is 0.0
 
 
 def _check_int(name, value, minimum, maximum=None):
