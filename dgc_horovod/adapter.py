@@ -17,7 +17,7 @@ import warnings
 from dgc_horovod.core import DGCConfig, DGCCore
 from dgc_horovod.core.config import config_diff
 
-__all__ = ["DGCAdapter", "DGCFactory", "ElasticHandler", "check_same_model",
+__all__ = ["DGCAdapter", "DGCFactory", "ElasticHandler", "check_same_config", "check_same_model",
            "compression_namespace"]
 
 _log = logging.getLogger("dgc_horovod")
@@ -102,11 +102,24 @@ def compression_namespace(hvd, dgc_class, usage, user):
 _MODELS_DIFFER = "DGC: the ranks' models differ: "
 
 
-def check_same_model(signature, gather, rank, words):
-    """Every rank must reduce the same tensors (names, sizes, dtypes, order): compare the ranks'
-    signatures once and raise a ValueError naming the first difference on every rank, rather
-    than hang on collectives that never match (each tensor's is named after it) or sum two
-    different tensors.
+def check_same_config(mine, theirs, rank):
+    """ValueError naming each setting in which this rank's config (``DGCConfig.to_dict()``)
+    and rank ``rank``'s differ."""
+    differ = config_diff(mine, theirs)
+    if differ:
+        detail = "; ".join(f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} on rank {rank}"
+                           for k in differ)
+        raise ValueError(f"DGC: the ranks' DGC configs differ ({detail}); create DGC with the "
+                         "same settings on every rank (HOROVOD_DGC_* variables included: "
+                         "str(dgc.config) says where each setting came from)")
+
+
+def check_same_model(signature, gather, rank, words, config):
+    """Every rank must reduce the same tensors (names, sizes, dtypes, order) with the same DGC
+    settings: compare the ranks' signatures and configs once and raise a ValueError naming the
+    first difference on every rank, rather than hang on collectives that never match (each
+    tensor's is named after it; a setting such as ``bucket_numel`` or ``exchange`` changes
+    which collectives run) or sum two different tensors.
 
     Args:
         signature (list): this rank's ``[name, description]`` of each tensor, in its order.
@@ -116,14 +129,18 @@ def check_same_model(signature, gather, rank, words):
         words (tuple): the message's two ``str.format`` templates: a differing tensor (fields
             ``i``, ``a``, ``b``, ``me``, ``rank``) and a differing count (``n``, ``m``, ``me``,
             ``rank``, ``detail``: the first tensor one of the two ranks has alone).
+        config (DGCConfig): this rank's settings.
     """
-    sizes, data = gather(json.dumps(signature).encode())
+    mine = json.loads(json.dumps(config.to_dict()))     # as the other ranks' arrive
+    sizes, data = gather(json.dumps([mine, signature]).encode())
     every, start = [], 0
     for n in sizes:
         every.append(json.loads(data[start:start + n].decode()))
         start += n
+    for other, (theirs, _) in enumerate(every):
+        check_same_config(mine, theirs, other)
     tensor, count = words
-    for other, theirs in enumerate(every):
+    for other, (_, theirs) in enumerate(every):
         if theirs == signature:
             continue
         if len(theirs) != len(signature):
@@ -406,12 +423,7 @@ class DGCAdapter:
         mine = self._core.state_dict()
         configs = hvd.allgather_object(mine["config"], name="dgc.elastic.config")
         for rank, theirs in enumerate(configs):
-            differ = config_diff(mine["config"], theirs)
-            if differ:
-                detail = "; ".join(f"{k}: {mine['config'].get(k)!r} here, {theirs.get(k)!r} on "
-                                   f"rank {rank}" for k in differ)
-                raise ValueError(f"DGC: the ranks' DGC configs differ ({detail}); create DGC "
-                                 "with the same settings on every rank")
+            check_same_config(mine["config"], theirs, rank)
         root = hvd.broadcast_object({"epoch": mine["epoch"], "steps": mine["steps"],
                                      "generator": mine["generator"]},
                                     root_rank=0, name="dgc.elastic.sync")

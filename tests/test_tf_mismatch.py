@@ -14,7 +14,7 @@ from conftest import horovodrun
 pytestmark = pytest.mark.horovodrun
 
 TF_ENV = {"TF_USE_LEGACY_KERAS": "1"}
-PREFIX = "DGC: the ranks' models differ: "
+PREFIX = "DGC: the ranks' "        # models differ: ... / DGC configs differ (...)
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
@@ -57,6 +57,8 @@ def test_same_model_trains_before_and_after_the_errors(ranks):
     ("shapes_eager", ["(shape [16, 48], float32) on rank 1", "(shape [16, 48], float32) on rank 1"]),
     ("keras_fit_shapes", ["(shape [16, 48], float32) on rank 1",
                           "(shape [16, 48], float32) on rank 1"]),
+    ("config", ["configs differ (bucket_numel: 4194304 here, 0 on rank 1)",
+                "configs differ (bucket_numel: 0 here, 4194304 on rank 0)"]),
 ])
 def test_differing_models_raise_a_clear_error_on_every_rank_within_seconds(ranks, case, expected):
     for rank, r in enumerate(ranks):

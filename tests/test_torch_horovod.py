@@ -145,6 +145,17 @@ def test_models_differing_across_ranks_is_a_clear_error(run):
     assert msg is not None and "models differ" in msg and "'mm.aux.weight'" in msg, msg
 
 
+def test_dgc_settings_differing_across_ranks_is_a_clear_error(run):
+    """Not a hang (bucket_numel, exchange), not Horovod's shape error (min_sparse_ndim)."""
+    for option, (mine, theirs) in {"bucket_numel": ("4194304", "0"),
+                                   "exchange": ("'allgather'", "'regions'"),
+                                   "min_sparse_ndim": ("2", "1")}.items():
+        errors = run[0]["config_mismatch"][option]
+        assert len(errors) == 2 and all(e is not None and "configs differ" in e for e in errors)
+        assert f"{option}: {mine} here, {theirs} on rank 1" in errors[0], errors[0]
+        assert f"{option}: {theirs} here, {mine} on rank 0" in errors[1], errors[1]
+
+
 def test_adasum_and_a_shared_dgc_object_are_refused(run):
     r = run[0]["misuse"]
     assert r["adasum"] is not None and "Adasum" in r["adasum"], r["adasum"]

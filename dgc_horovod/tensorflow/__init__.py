@@ -115,7 +115,7 @@ class DGC(DGCAdapter, Compressor):
             raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
         process_set = hvd.global_process_set if process_set is None else process_set
         if process_set.size() > 1:
-            self._models.check(*reduced, process_set)
+            self._models.check(*reduced, process_set, self.config)
         else:
             self._warn_single_process()
         self._follow_horovod()

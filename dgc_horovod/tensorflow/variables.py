@@ -79,7 +79,7 @@ _MISMATCH = ("the gradient #{i} Horovod reduces is of {a} on rank {me} but of {b
              "variable trainable or present on one rank only?)")
 
 
-def _check_same_variables(signature, process_set):
+def _check_same_variables(signature, process_set, config):
     """:func:`dgc_horovod.adapter.check_same_model` for a :func:`_model_signature`, with two
     eager allgathers (``DGCCheckModelSizes``, ``DGCCheckModel``), also while a tf.function is
     traced."""
@@ -91,7 +91,7 @@ def _check_same_variables(signature, process_set):
                                   process_set=process_set).numpy().astype("uint8").tobytes()
         return sizes, every
 
-    check_same_model(signature, gather, process_set.rank(), _MISMATCH)
+    check_same_model(signature, gather, process_set.rank(), _MISMATCH, config)
 
 
 class StateNames:
@@ -136,12 +136,13 @@ class ComparedModels:
     def __init__(self):
         self._keys = set()      # the signatures already compared, as JSON
 
-    def check(self, grads, variables, process_set):
-        """ValueError, on every rank, naming the first difference between the ranks' lists."""
+    def check(self, grads, variables, process_set, config):
+        """ValueError, on every rank, naming the first difference between the ranks' lists or
+        their DGC settings (``config``)."""
         signature = _model_signature(grads, variables)
         key = json.dumps(signature)
         if key not in self._keys:
-            _check_same_variables(signature, process_set)
+            _check_same_variables(signature, process_set, config)
             self._keys.add(key)
 
     def sync(self):

@@ -103,7 +103,8 @@ class DGC(DGCAdapter, Compressor):
     def compress(self, tensor):
         """Accumulate ``tensor`` (a parameter's gradient) and start its exchange. Returns
         (tensor for Horovod's allreduce, ctx): a 1-element zero placeholder for a sparsified
-        tensor, or the dense momentum-corrected velocity for a small tensor. With ``bucket_numel=0`` a sparsified tensor is compressed and sent at once; in bucketed
+        tensor, or the dense momentum-corrected velocity for a small tensor. With
+        ``bucket_numel=0`` a sparsified tensor is compressed and sent at once; in bucketed
         mode it is only checked and recorded here, and its bucket is compressed and sent when its
         last sparsified member arrives or, if still incomplete, in decompress. A refusal of the
         step's first gradient leaves Horovod's optimizer usable (``params.undo_refused_step``).
@@ -123,6 +124,7 @@ class DGC(DGCAdapter, Compressor):
             self._read_loss_scale()
         if self._core.fit_pending:                  # the first step after load_state_dict
             self._core.check_fit(opt._parameter_names.values())
+        self._exchange.check_model(opt)             # the ranks' models and settings alike
         self._checks(opt, p, name)
         process_set, exchange, param = opt.process_set, self._exchange, p.detach()
         world, average = process_set.size(), opt.op == hvd.Average

@@ -53,6 +53,7 @@ always).
 import os
 import threading
 import time
+import weakref
 
 import horovod.torch as hvd
 import torch
@@ -187,9 +188,9 @@ _MISMATCH = ("trainable parameter #{i} (from the last) is {a} on rank {me} but {
              "frozen or missing on one rank?)")
 
 
-def _check_same_model(opt, params):
+def _check_same_model(opt, params, config):
     """:func:`dgc_horovod.adapter.check_same_model` for the trainable parameters (name, size,
-    dtype; in plan order), with two allgathers."""
+    dtype; in plan order) and the DGC ``config``, with two allgathers."""
     ps = opt.process_set
 
     def gather(data):
@@ -200,7 +201,7 @@ def _check_same_model(opt, params):
         return sizes, bytes(every.tolist())
 
     signature = [[opt._parameter_names[p], f"{p.numel()} elements, {p.dtype}"] for p in params]
-    check_same_model(signature, gather, ps.rank(), _MISMATCH)
+    check_same_model(signature, gather, ps.rank(), _MISMATCH, config)
 
 
 class Exchange:
@@ -220,6 +221,7 @@ class Exchange:
     def __init__(self, core, bucket_numel):
         self._core, self._bucket_numel = core, bucket_numel
         self._plans = {}     # id(optimizer) -> (optimizer, {name: (bucket, member)}, [names])
+        self._compared = weakref.WeakSet()      # the optimizers whose models were compared
         self._lock = threading.Lock()
         self._outstanding = 0            # tensors sent or deferred whose result was not received
         self.gated = core.needs_clip_scale
@@ -257,11 +259,18 @@ class Exchange:
         with self._lock:
             self._outstanding -= 1
 
+    def check_model(self, opt):
+        """At ``opt``'s first gradient, in every mode: the ranks' models and DGC settings
+        compared (:func:`_check_same_model`), once per optimizer."""
+        if opt not in self._compared:
+            _check_same_model(opt, reduced_parameters(opt)[::-1], self._core.config)
+            self._compared.add(opt)
+
     def _plan(self, opt):
         entry = self._plans.get(id(opt))
         if entry is None or entry[0] is not opt:
             params = reduced_parameters(opt)[::-1]
-            _check_same_model(opt, params)
+            self.check_model(opt)
             names = [opt._parameter_names[p] for p in params]
             plan, numel = {}, {n: p.numel() for n, p in zip(names, params)}
             for members, sparse in plan_buckets([(n, p.numel(), p.dim())

@@ -1,10 +1,11 @@
 """Runs under `horovodrun -np 2`: TF ranks whose models differ get a clear error, never a hang.
 
-Each scenario builds a model that differs on rank 1 (or the same model, as the control), takes one
-step with hvd.DistributedGradientTape(compression=DGC(...)) inside tf.function (or eagerly, or
-Keras fit with horovod.tensorflow.keras.DistributedOptimizer), and records the error type and
-message and the seconds it took. Every rank writes DIR/rank<r>.json; tests/test_tf_mismatch.py
-asserts. Needs TF_USE_LEGACY_KERAS=1 (tf-keras), set by the test.
+Each scenario builds a model (or DGC: "config") that differs on rank 1 (or the same model, as
+the control), takes one step with hvd.DistributedGradientTape(compression=DGC(...)) inside
+tf.function (or eagerly, or Keras fit with horovod.tensorflow.keras.DistributedOptimizer), and
+records the error type and message and the seconds it took. Every rank writes
+DIR/rank<r>.json; tests/test_tf_mismatch.py asserts. Needs TF_USE_LEGACY_KERAS=1 (tf-keras),
+set by the test.
 """
 import argparse
 import json
@@ -41,8 +42,8 @@ def data():
     return (rng.standard_normal((8, 16)).astype("float32"), rng.integers(0, 4, 8))
 
 
-def tape_step(model, reverse=False, function=True):
-    dgc = DGC(compress_ratio=0.1, warmup_epochs=0)
+def tape_step(model, reverse=False, function=True, **dgc_kw):
+    dgc = DGC(compress_ratio=0.1, warmup_epochs=0, **dgc_kw)
     x, y = data()
     variables = model.trainable_variables[::-1] if reverse else model.trainable_variables
 
@@ -74,6 +75,7 @@ SCENARIOS = {
     "shapes_eager": lambda: tape_step(make_model(fc1_units=48 if R == 1 else 32),
                                       function=False),
     "keras_fit_shapes": lambda: keras_fit(make_model(fc1_units=48 if R == 1 else 32)),
+    "config": lambda: tape_step(make_model(), **({"bucket_numel": 0} if R == 1 else {})),
     "same_after_errors": lambda: tape_step(make_model()),
 }
 

@@ -402,6 +402,29 @@ def scenario_model_mismatch(results, prefix):
         results["model_mismatch"] = str(e)
 
 
+def scenario_config_mismatch(results, prefix):
+    """One DGC setting differs on rank 1 only (as a HOROVOD_DGC_* variable set on one host
+    would make it): a ValueError naming it on every rank at the first gradient, not a hang
+    (bucket_numel, exchange: other collectives) and not Horovod's shape error (min_sparse_ndim:
+    a tensor dense on one rank, sparsified on the other)."""
+    out = {}
+    for option, value in (("bucket_numel", 0), ("exchange", "regions"), ("min_sparse_ndim", 1)):
+        torch.manual_seed(0)
+        model = Net()
+        named = [(f"{prefix}.{option}.{n}", p) for n, p in model.named_parameters()]
+        dgc = DGC(**({option: value} if hvd.rank() == 1 else {}))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                       named_parameters=named, compression=dgc)
+        x, y = batches(1, 7)[0]
+        try:
+            F.cross_entropy(model(x), y).backward()
+            error = None
+        except ValueError as e:
+            error = str(e)
+        out[option] = hvd.allgather_object(error, name=f"{prefix}.{option}.error")
+    results["config_mismatch"] = out
+
+
 def scenario_misuse(results, prefix):
     """Adasum, and one DGC shared by two optimizers: clear errors, raised on every rank alike."""
     out = {}
@@ -517,7 +540,7 @@ def main():
                    (scenario_equivalence, "eq"), (scenario_wire, "wire"),
                    (scenario_nonfinite, "nf"), (scenario_fp16_overflow, "fp16"),
                    (scenario_momentum_twice, "mt"), (scenario_adam_warning, "adam"),
-                   (scenario_model_mismatch, "mm"),
+                   (scenario_model_mismatch, "mm"), (scenario_config_mismatch, "cfg"),
                    (scenario_misuse, "mu"), (scenario_step_patterns, "sp")])
 
 
