@@ -269,8 +269,7 @@ class Exchange:
     def _plan(self, opt):
         entry = self._plans.get(id(opt))
         if entry is None or entry[0] is not opt:
-            params = reduced_parameters(opt)[::-1]
-            self.check_model(opt)
+            params = reduced_parameters(opt)[::-1]      # compared by check_model already
             names = [opt._parameter_names[p] for p in params]
             plan, numel = {}, {n: p.numel() for n, p in zip(names, params)}
             for members, sparse in plan_buckets([(n, p.numel(), p.dim())

@@ -409,12 +409,7 @@ def scenario_config_mismatch(results, prefix):
     a tensor dense on one rank, sparsified on the other)."""
     out = {}
     for option, value in (("bucket_numel", 0), ("exchange", "regions"), ("min_sparse_ndim", 1)):
-        torch.manual_seed(0)
-        model = Net()
-        named = [(f"{prefix}.{option}.{n}", p) for n, p in model.named_parameters()]
-        dgc = DGC(**({option: value} if hvd.rank() == 1 else {}))
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
-                                       named_parameters=named, compression=dgc)
+        model, _ = make(f"{prefix}.{option}", DGC(**({option: value} if hvd.rank() == 1 else {})))
         x, y = batches(1, 7)[0]
         try:
             F.cross_entropy(model(x), y).backward()
