@@ -122,6 +122,28 @@ def test_checkpoint_of_other_names_is_refused_at_the_first_step(resumed):
 
 
 @pytest.mark.horovodrun
+def test_checkpoint_of_a_resized_layer_is_refused_at_the_first_gradient(resumed):
+    """Loaded into a model whose hidden layer is narrower: the step's first gradient (fc2.bias)
+    still fits, the later ones do not. Every size is checked at the first gradient, before
+    anything of the step is sent, so the refusal names all three and leaves Horovod's optimizer
+    usable: reset_residuals=True then trains it as a new one (checked at a later gradient, the
+    step was partly sent and the next one failed in Horovod: 'zero_grad() was called after
+    loss.backward()')."""
+    for rr in resumed[2]["ranks"]:
+        msg = rr["resized_error"]
+        assert msg is not None, "a checkpoint of other sizes was accepted"
+        assert ("3 saved tensor state(s) have another size than the parameter ('fc1.bias': 128 "
+                "elements saved, 96 now, 'fc1.weight': 8192 elements saved, 6144 now, "
+                "'fc2.weight': 1280 elements saved, 960 now)") in msg
+        assert "reset_residuals=True" in msg and "have no saved state" not in msg
+        assert rr["resized_params_unchanged"]
+        assert rr["resized_states_after_error"] == NAMES and rr["resized_steps_after_error"] == 6
+        assert rr["resized_reset_saved_tensors"] == NAMES
+        assert rr["resized_reset_as_new"], "after the refusal, the same optimizer trained " \
+            "otherwise than a new one"
+
+
+@pytest.mark.horovodrun
 def test_checkpoint_missing_a_parameter_is_refused_at_the_first_step(resumed):
     for rr in resumed[2]["ranks"]:
         msg = rr["missing_error"]
@@ -401,6 +423,26 @@ def test_loaded_names_are_checked_against_the_model_at_the_first_step(backend):
     fresh.load_state_dict(sd, world_size=2, rank=0, reset_residuals=True)
     assert not fresh.fit_pending
     fresh.check_fit(["m.w"])
+
+
+@pytest.mark.unit
+def test_loaded_sizes_are_checked_at_once_when_the_adapter_gives_them():
+    """check_fit with {name: the parameter's element count} (what the adapters pass) also
+    refuses a loaded state of another size, naming every one at once, before any tensor of the
+    step is compressed; sizes that fit, or a plain list of names, pass."""
+    sd = trained_state()
+    core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])
+    core.load_state_dict(sd, world_size=2, rank=0)
+    sizes = {n: int(np.prod(s)) for n, s in SHAPES.items()}
+    core.check_fit(sizes)
+    core.check_fit(list(sizes))
+    with pytest.raises(ValueError, match=(
+            r"2 saved tensor state\(s\) have another size than the parameter \('b': "
+            rf"{sizes['b']} elements saved, 7 now, 'w': {sizes['w']} elements saved, 9 now\); "
+            r"1 parameter\(s\) have no saved state \('frozen'\)\. "
+            r"Was it .*a resized layer.*reset_residuals=True")):
+        core.check_fit(dict(sizes, w=9, b=7, frozen=3))
+    assert core.fit_pending and core.steps == 4
 
 
 @pytest.mark.unit

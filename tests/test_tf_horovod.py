@@ -68,6 +68,11 @@ def test_checkpoint_of_other_names_is_refused_at_the_first_step(run):
     assert r["error_True"] is None and r["changed_True"]
     assert r["saved_True"] == ["head1/bias:0", "head1/kernel:0", "head2/bias:0", "head2/kernel:0"]
     assert r["same_objects_changed"] and r["same_objects_saved"] == r["saved_True"]
+    for in_graph in (True, False):     # a resized hidden layer: every size named at once
+        msg = r[f"resized_error_{in_graph}"]
+        assert msg is not None and "3 saved tensor state(s) have another size than the " \
+            "parameter ('fc1/bias:0': 128 elements saved, 96 now, 'fc1/kernel:0': 8192 " \
+            "elements saved, 6144 now, 'fc2/kernel:0': 1280 elements saved, 960 now)" in msg, msg
 
 
 def test_keras_fit_with_warmup_callback(run):

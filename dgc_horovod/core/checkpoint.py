@@ -1,12 +1,14 @@
 """Checkpointing of :class:`~dgc_horovod.core.compressor.DGCCore`: the state dict (format version
 :data:`STATE_DICT_VERSION`), its validation on load, and the check that a loaded checkpoint fits
-the model (its tensor names).
+the model (its tensor names and sizes).
 
 Not a step of the paper: resuming a run bit-identically needs every worker's residuals u and v
 (Algorithm 1's state), the warm-up position (§3.3), the threshold-sampling generator (§5) and the
 statistics. :meth:`DGCCore.state_dict` and :meth:`DGCCore.load_state_dict` call :func:`make` and
 :func:`read`; every check of a load runs before the core changes anything.
 """
+from collections.abc import Mapping
+
 from dgc_horovod.core import wire
 from dgc_horovod.core.config import config_diff
 from dgc_horovod.core.sparsify import is_sparse
@@ -185,13 +187,16 @@ def restore_generator(B, generator, state):
 
 
 class FitCheck:
-    """After a load with tensor states: the loaded names, checked against the model's until the
-    first step after the load has completed (:meth:`DGCCore.check_fit`)."""
+    """After a load with tensor states: the loaded names and sizes, checked against the model's
+    until the first step after the load has completed (:meth:`DGCCore.check_fit`)."""
 
-    __slots__ = ("names", "began")
+    __slots__ = ("names", "began", "numels")
 
-    def __init__(self, names=()):
-        self.names = frozenset(names) if names else None     # None: nothing to check
+    def __init__(self, tensors=None):
+        """``tensors``: name -> (numel, ...) as :func:`read` returns them; None or empty:
+        nothing to check."""
+        self.names = frozenset(tensors) if tensors else None     # None: nothing to check
+        self.numels = {name: t[0] for name, t in tensors.items()} if tensors else {}
         self.began = False
 
     @property
@@ -204,15 +209,20 @@ class FitCheck:
             self.names, self.began = (None if self.began else self.names), True
 
     def check(self, names):
-        """Raise a ValueError if a loaded state matches none of ``names`` (no-op when nothing is
-        to check)."""
+        """Raise a ValueError if a loaded state matches none of ``names``, or, where ``names``
+        maps each name to the model's element count, if a loaded state has another size (no-op
+        when nothing is to check). All of them are checked at once, before any gradient of the
+        step is sent (a size checked at its own gradient would stop a step partly sent)."""
         fit = self.names
         if fit is None:
             return
+        counts = names if isinstance(names, Mapping) else {}
         names = set(names)
         stale = fit - names
-        if stale:
-            raise _misfit(stale, names - fit)
+        resized = {n: (self.numels[n], counts[n]) for n in fit & names
+                   if counts.get(n) is not None and counts[n] != self.numels[n]}
+        if stale or resized:
+            raise _misfit(stale, names - fit, resized)
 
     def check_name(self, name):
         """compress of ``name`` in the first step after a load: it must have a loaded state."""
@@ -221,13 +231,17 @@ class FitCheck:
             raise _misfit((), [name])
 
 
-def _misfit(stale, missing):
-    def few(names):
+def _misfit(stale, missing, resized=None):
+    def few(names, say=repr):
         names = sorted(names)
-        shown = ", ".join(repr(n) for n in names[:3])
+        shown = ", ".join(say(n) for n in names[:3])
         return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     parts = []
+    if resized:
+        parts.append(f"{len(resized)} saved tensor state(s) have another size than the "
+                     "parameter (" + few(resized, lambda n: f"{n!r}: {resized[n][0]} elements "
+                                         f"saved, {resized[n][1]} now") + ")")
     if stale:
         parts.append(f"{len(stale)} saved tensor state(s) match no parameter of the "
                      f"optimizer ({few(stale)})")
@@ -236,7 +250,8 @@ def _misfit(stale, missing):
     return ValueError(
         "DGC: the loaded checkpoint does not fit this model: " + "; ".join(parts) + ". Was "
         "it saved under other names (a renamed or wrapped module, e.g. a 'module.' prefix) "
-        "or by another model? Resuming from it would start fresh residuals under the new "
-        "names and carry the stale ones into every later checkpoint. Load the matching file, "
-        "or load this one with dgc.load_state_dict(state_dict, reset_residuals=True): config, "
-        "warm-up position and generator are kept, the residuals restart at zero")
+        "or by another model (a resized layer)? Resuming from it would start fresh residuals "
+        "under the new names and carry the stale ones into every later checkpoint. Load the "
+        "matching file, or load this one with dgc.load_state_dict(state_dict, "
+        "reset_residuals=True): config, warm-up position and generator are kept, the residuals "
+        "restart at zero")

@@ -346,8 +346,10 @@ class DGCCore:
         """After :meth:`load_state_dict`, until the first step after it has completed: raise a
         ValueError if a loaded tensor state matches none of ``names``, the names of every
         parameter the optimizer reduces (a checkpoint of another model, or saved under other
-        names). A name compressed in that step without a loaded state is refused by compress
-        itself. No-op otherwise. Changes nothing."""
+        names), or, where ``names`` maps each name to its parameter's element count, if a loaded
+        state has another size (a resized layer); the adapter calls it at the step's first
+        gradient, before anything of the step is sent. A name compressed in that step without a
+        loaded state is refused by compress itself. No-op otherwise. Changes nothing."""
         self._fit.check(names)
 
     # ----------------------------------------------------------------- state and checks

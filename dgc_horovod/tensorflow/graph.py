@@ -589,7 +589,8 @@ class GraphCore(DGCCore):
 
     def check_fit_traced(self, names, compressed):
         """At a trace after :meth:`load_state_dict` (``fit_pending``): a ValueError when a loaded
-        state matches none of ``names`` (every variable Horovod reduces) or a ``compressed``
+        state matches none of ``names`` (every variable Horovod reduces, name -> element count:
+        a loaded state of another size too) or a ``compressed``
         name has no loaded state (:meth:`DGCCore.check_fit`); the check is then done."""
         self._check_fit(self._fit, names, compressed)
         self._fit = FitCheck()
@@ -1030,7 +1031,7 @@ class GraphPath:
         grads, variables = reduced
         if core.fit_pending:        # the first trace after load_state_dict
             pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-            core.check_fit_traced(self._names.known([v for _, v in pairs]), [
+            core.check_fit_traced(self._names.sizes([v for _, v in pairs]), [
                 self._names.of(v) for g, v in pairs if not isinstance(g, tf.IndexedSlices)])
         step = core.step_ops(grads, tensor, process_set, average)
         member = self._buckets(step, grads, variables, process_set, average).get(id(tensor))

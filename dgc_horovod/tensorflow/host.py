@@ -132,7 +132,7 @@ class HostPath:
             self._dgc._follow_horovod()
             now = process_set.size()
             if core.fit_pending:                    # the first step after load_state_dict:
-                core.check_fit(names.known(variables))      # every variable reduced
+                core.check_fit(names.sizes(variables))      # every variable reduced
             kind, out, ctx = core.compress(name, host(grad), now, host(param), average,
                                            float(clip_scale) if core.needs_clip_scale else None)
             if kind == "sparse":                    # and the allgather's input size

@@ -119,6 +119,11 @@ class StateNames:
         """The state names of ``variables`` (their names where DGC has not named them yet)."""
         return [self._names[id(v)][1] if id(v) in self._names else v.name for v in variables]
 
+    def sizes(self, variables):
+        """{state name: element count} of ``variables`` (:meth:`known`'s names), what
+        :meth:`DGCCore.check_fit` compares a loaded checkpoint with."""
+        return dict(zip(self.known(variables), (v.shape.num_elements() for v in variables)))
+
 
 def collective_name(name):
     """The name of the allgather of state ``name``'s payload. "HorovodAllgather" in it:

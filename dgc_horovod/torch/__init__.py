@@ -123,7 +123,7 @@ class DGC(DGCAdapter, Compressor):
         if self._loss_scaler is not None and self._exchange.idle:    # the step's first gradient
             self._read_loss_scale()
         if self._core.fit_pending:                  # the first step after load_state_dict
-            self._core.check_fit(opt._parameter_names.values())
+            self._core.check_fit({n: q.numel() for q, n in opt._parameter_names.items()})
         self._exchange.check_model(opt)             # the ranks' models and settings alike
         self._checks(opt, p, name)
         process_set, exchange, param = opt.process_set, self._exchange, p.detach()

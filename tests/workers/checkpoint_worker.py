@@ -11,7 +11,8 @@ tests/test_checkpoint.py launches it twice per controller, plus once as a single
                  (torch.equal); it also records the errors of a wrong config, a wrong world size
                  and a wrong rank, and of a checkpoint that does not fit the model (loaded into
                  a model whose parameters Horovod names 'module.*', as a wrapped module's are;
-                 and with one tensor's state missing). Rank 0 writes everything as JSON to --out.
+                 with one tensor's state missing; and into a model whose hidden layer is
+                 narrower, where the step's first gradient, fc2.bias, still fits). Rank 0 writes everything as JSON to --out.
   --mode single  one process (world size 1) loads ckpt.rank0.pt of the 2-rank job: refused, then
                  accepted with reset_residuals=True.
 
@@ -38,10 +39,10 @@ DGC_KW = dict(compress_ratio=0.01, momentum=0.9, warmup_epochs=2, warmup_initial
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=128):
         super().__init__()
-        self.fc1 = torch.nn.Linear(64, 128)        # 8192 weights: sampled threshold selection
-        self.fc2 = torch.nn.Linear(128, 10)
+        self.fc1 = torch.nn.Linear(64, hidden)     # 8192 weights: sampled threshold selection
+        self.fc2 = torch.nn.Linear(hidden, 10)
 
     def forward(self, x):
         return self.fc2(F.relu(self.fc1(x)))
@@ -53,9 +54,9 @@ def batches(rank):
             for _ in range(N_TOTAL)]
 
 
-def make(prefix="", **dgc_kw):
+def make(prefix="", hidden=128, **dgc_kw):
     torch.manual_seed(1234)
-    model = Net()
+    model = Net(hidden)
     dgc = DGC(**dict(DGC_KW, **dgc_kw))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0)
     opt = hvd.DistributedOptimizer(
@@ -163,11 +164,14 @@ def misfit(ckpt, sd):
     the model), refused at the first step, state untouched; reset_residuals=True is the way out
     and no stale state reaches a later checkpoint."""
     out = {}
-    for key, prefix, state in (("renamed", "module.", sd),
-                               ("missing", "", dict(sd, tensors={
-                                   n: t for n, t in sd["tensors"].items() if n != "fc2.bias"}))):
-        model, opt, dgc = make(prefix)
-        model.load_state_dict(ckpt["model"])
+    for key, prefix, hidden, state in (
+            ("renamed", "module.", 128, sd),
+            ("missing", "", 128, dict(sd, tensors={
+                n: t for n, t in sd["tensors"].items() if n != "fc2.bias"})),
+            ("resized", "", 96, sd)):
+        model, opt, dgc = make(prefix, hidden)
+        if hidden == 128:
+            model.load_state_dict(ckpt["model"])
         dgc.load_state_dict(state)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         try:
@@ -184,8 +188,9 @@ def misfit(ckpt, sd):
         dgc.load_state_dict(state, reset_residuals=True)
         train(model, opt, dgc, ckpt["step"], ckpt["step"] + 2)
         out[key + "_reset_saved_tensors"] = sorted(dgc.state_dict()["tensors"])
-        model2, opt2, dgc2 = make(prefix)
-        model2.load_state_dict(ckpt["model"])
+        model2, opt2, dgc2 = make(prefix, hidden)
+        if hidden == 128:
+            model2.load_state_dict(ckpt["model"])
         dgc2.load_state_dict(state, reset_residuals=True)
         train(model2, opt2, dgc2, ckpt["step"], ckpt["step"] + 2)
         out[key + "_reset_as_new"] = all(torch.equal(p, q) for p, q in

@@ -17,7 +17,7 @@ from timeline_flush import flush_timeline
 LR = 0.05
 
 
-def make_model(seed=1234, embedding=False, names=("fc1", "fc2")):
+def make_model(seed=1234, embedding=False, names=("fc1", "fc2"), hidden=128):
     tf.keras.utils.set_random_seed(seed)
     if embedding:
         inp = tf.keras.Input(shape=(4,), dtype="int32")
@@ -25,7 +25,7 @@ def make_model(seed=1234, embedding=False, names=("fc1", "fc2")):
     else:
         inp = tf.keras.Input(shape=(64,))
         h = inp
-    h = tf.keras.layers.Dense(128, activation="relu", name=names[0])(h)
+    h = tf.keras.layers.Dense(hidden, activation="relu", name=names[0])(h)
     out = tf.keras.layers.Dense(10, name=names[1])(h)
     return tf.keras.Model(inp, out)
 
@@ -234,7 +234,9 @@ def scenario_fp16_overflow(results, steps=12):
 def scenario_checkpoint_misfit(results):
     """A DGC state saved under the layer names fc1/fc2, loaded for a model whose layers are
     named head1/head2: refused at the first step, reset_residuals=True is the way out (on a new
-    DGC, and on the refused one with the same model)."""
+    DGC, and on the refused one with the same model). Loaded for a model whose hidden layer is
+    narrower (same names): refused, naming every resized tensor, in the graph and in
+    tf.py_function (in_graph=False)."""
     dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024)
     train_tape(make_model(), dgc, steps=2)
     sd = dgc.state_dict()
@@ -256,6 +258,15 @@ def scenario_checkpoint_misfit(results):
             train_tape(model, dgc, steps=2)
             out["same_objects_changed"] = bool((flat(model).numpy() != before).any())
             out["same_objects_saved"] = sorted(dgc.state_dict()["tensors"])
+    for in_graph in (True, False):
+        dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024,
+                  in_graph=in_graph)
+        dgc.load_state_dict(sd)
+        try:
+            train_tape(make_model(hidden=96), dgc, steps=1)
+            out[f"resized_error_{in_graph}"] = None
+        except Exception as e:
+            out[f"resized_error_{in_graph}"] = str(e)
     results["checkpoint_misfit"] = out
 
 
