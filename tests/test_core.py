@@ -373,15 +373,19 @@ def test_warmup_position_takes_numpy_scalars():
         assert core.epoch == 2.0 and type(core.epoch) is float
     core.set_step(np.int64(30), np.int32(10))
     assert core.epoch == 3.0
-    with pytest.raises(ValueError, match="step must be an int >= 0, got float64"):
+    with pytest.raises(TypeError, match="step must be an int >= 0, got float64"):
         core.set_step(np.float64(3.0), 10)
+    with pytest.raises(TypeError, match="step must be an int >= 0, got str '3'"):
+        core.set_step("3", 10)      # the wrong type a TypeError, as set_epoch's
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+        core.set_step(-1, 10)
     steps = DGCCore(DGCConfig(compress_ratio=0.001, warmup_epochs=None, warmup_steps=8),
                     BACKENDS["numpy"])
     steps.set_step(np.int64(100))
     assert steps.steps == 100 and type(steps.steps) is int
-    for bad in (0, -5, 2.5):            # given, it is checked in either mode
-        with pytest.raises(ValueError, match="steps_per_epoch must be an int >= 1"):
-            steps.set_step(3, bad)
+    for bad, error in ((0, ValueError), (-5, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match="steps_per_epoch must be an int >= 1"):
+            steps.set_step(3, bad)      # given, it is checked in either mode
     assert steps.steps == 100
 
 

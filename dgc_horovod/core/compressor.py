@@ -91,6 +91,16 @@ _INF = float("inf")
 EPOCH_CALL_CHECK_STEPS = 1000
 
 
+def _check_int(what, value, least, why=""):
+    """A TypeError unless ``value`` is an int (NumPy's too, not a bool), a ValueError if it is
+    below ``least``: as set_epoch and the options do."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int >= {least}, got {type(value).__name__} "
+                        f"{value!r}{why}")
+    if value < least:
+        raise ValueError(f"{what} must be an int >= {least}, got {value!r}{why}")
+
+
 class DGCCore:
     """Per-worker DGC: owns the config, the warm-up position, every tensor's state and the stats.
 
@@ -217,15 +227,12 @@ class DGCCore:
         """Set the warm-up position from a global step count (e.g. on resume without a DGC
         checkpoint): with the default step-counted warm-up the next step is step ``step``
         (0-based); with ``warmup_epochs`` the epoch becomes step / steps_per_epoch."""
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {type(step).__name__} {step!r}")
+        _check_int("step", step, 0)
         step = int(step)
         epochs = self.config.warmup_epochs is not None
-        if (epochs or steps_per_epoch is not None) and (
-                isinstance(steps_per_epoch, bool)
-                or not isinstance(steps_per_epoch, numbers.Integral) or steps_per_epoch < 1):
-            raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}"
-                             + (" (needed with warmup_epochs)" if epochs else ""))
+        if epochs or steps_per_epoch is not None:
+            _check_int("steps_per_epoch", steps_per_epoch, 1,
+                       " (needed with warmup_epochs)" if epochs else "")
         if not epochs:
             with self._lock:
                 self._steps = step
