@@ -213,6 +213,7 @@ class DGCAdapter:
         self._session = self._horovod_session() if hvd.is_initialized() else None
         self._session_lock = threading.Lock()
         self._warned_single = False
+        self._warned_decay = False
         self.resets = 0
 
     @classmethod
@@ -234,8 +235,18 @@ class DGCAdapter:
                                 + f"; the valid ones: {', '.join(valid)}")
 
     # first-step checks -------------------------------------------------------------------
-    def _check_momentum(self, name, optimizer, momentum):
-        """ValueError when both DGC and the wrapped ``optimizer`` apply momentum to ``name``."""
+    def _check_optimizer(self, name, optimizer, momentum, weight_decay=0.0):
+        """ValueError when both DGC and the wrapped ``optimizer`` apply momentum to ``name``;
+        a warning (once) when both apply weight decay (``weight_decay``: the optimizer's for
+        ``name``), which decays twice."""
+        if self.config.weight_decay > 0 and weight_decay and not self._warned_decay:
+            self._warned_decay = True
+            warnings.warn(
+                f"weight decay is applied twice (to {name!r}, and maybe others): "
+                f"DGC(weight_decay={self.config.weight_decay}) and the wrapped optimizer "
+                f"{type(optimizer).__mro__[1].__name__}'s weight_decay={weight_decay}. Create "
+                "the optimizer with weight_decay=0 (DGC's applies it with momentum, as dense "
+                "momentum SGD does), or use DGC(weight_decay=0)")
         if self.config.momentum > 0 and momentum > 0:
             raise ValueError(
                 f"momentum would be applied twice to {name!r}: DGC(momentum="

@@ -75,6 +75,15 @@ def test_checkpoint_of_other_names_is_refused_at_the_first_step(run):
             "elements saved, 6144 now, 'fc2/kernel:0': 1280 elements saved, 960 now)" in msg, msg
 
 
+def test_keras_weight_decay_in_dgc_and_the_optimizer_warns_once(run):
+    warned = run["keras_weight_decay_twice"]
+    assert len(warned["0.0001"]) == 1, warned
+    msg = warned["0.0001"][0]
+    assert "DGC(weight_decay=0.0001)" in msg and "SGD's weight_decay=0.0001" in msg, msg
+    assert "to 'fc1/kernel:0'" in msg and "weight_decay=0" in msg
+    assert warned["None"] == []
+
+
 def test_keras_fit_with_warmup_callback(run):
     r = run["keras_fit"]
     assert r["identical"] and r["steps"] == 3 * 128 // 16

@@ -140,6 +140,17 @@ def test_adam_with_dgc_momentum_warns_once(run):
     assert warned["0.0"] == []
 
 
+def test_weight_decay_in_dgc_and_the_optimizer_warns_once(run):
+    """Momentum set twice is refused; weight decay set twice decays twice, which a run may mean
+    (docs/usage.md): one warning per rank, naming both and what to do."""
+    warned = run[0]["weight_decay_warning"]
+    assert len(warned["0.0001"]) == 1, warned
+    msg = warned["0.0001"][0]
+    assert "DGC(weight_decay=0.0001)" in msg and "SGD's weight_decay=0.0001" in msg, msg
+    assert "weight_decay=0" in msg and "'adamwd0.0001." in msg
+    assert warned["0.0"] == []
+
+
 def test_models_differing_across_ranks_is_a_clear_error(run):
     msg = run[0]["model_mismatch"]
     assert msg is not None and "models differ" in msg and "'mm.aux.weight'" in msg, msg

@@ -14,8 +14,8 @@ try:
 except ImportError:     # pragma: no cover - tf-keras is what horovod.tensorflow.keras needs
     _keras = tf.keras
 
-__all__ = ["DGCWarmupCallback", "DGCTensorBoardCallback", "momentum_of", "warn_if_keras3",
-           "refuse_loss_scaler"]
+__all__ = ["DGCWarmupCallback", "DGCTensorBoardCallback", "momentum_of", "weight_decay_of",
+           "warn_if_keras3", "refuse_loss_scaler"]
 
 _KERAS3_HINT = ("tf.keras is Keras 3 here: horovod.tensorflow 0.28 calls .ref() and .assign() on "
                 "variables and fails on Keras 3 models (DistributedGradientTape with "
@@ -40,6 +40,15 @@ def refuse_loss_scaler(kwargs):
             "training step). Under a LossScaleOptimizer DGC sees the scaled gradients: keep "
             "clip_norm unset and weight decay in the optimizer (docs/reliability.md, "
             "\"Mixed precision\")")
+
+
+def weight_decay_of(optimizer):
+    """The weight decay of a (Horovod-wrapped) Keras optimizer (its ``weight_decay``, None by
+    default); 0.0 for a tape or when not a number."""
+    try:
+        return float(getattr(optimizer, "weight_decay", None) or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def momentum_of(optimizer):

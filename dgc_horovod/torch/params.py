@@ -123,14 +123,15 @@ class OptimizerChecks:
     """The checks of a step's first gradient with one DGC (call it with (optimizer, parameter,
     name) at every compress; once passed, a call costs a set lookup): one optimizer per DGC (a
     second one is refused, its per-parameter residuals would mix the two models' gradients),
-    momentum not applied twice to any parameter the optimizer reduces (``check_momentum(name,
-    optimizer, momentum)``, the adapter's), and a warning for Adam-like optimizers when DGC's
+    momentum not applied twice to any parameter the optimizer reduces, and weight decay warned
+    of when applied twice (``check_optimizer(name, optimizer, momentum, weight_decay)``, the
+    adapter's), and a warning for Adam-like optimizers when DGC's
     momentum (``config.momentum``) is > 0. Every reduced parameter is checked at the first
     gradient, so a refusal comes before anything of the step is sent (:func:`undo_refused_step`
     then leaves Horovod's optimizer usable)."""
 
-    def __init__(self, config, check_momentum):
-        self._config, self._check_momentum = config, check_momentum
+    def __init__(self, config, check_optimizer):
+        self._config, self._check_optimizer = config, check_optimizer
         self._checked = set()       # the parameters checked
         self._optimizer = None      # weak reference to the one optimizer this DGC serves
 
@@ -158,7 +159,8 @@ class OptimizerChecks:
                 f"momentum={self._config.momentum}) adds momentum correction on top. For "
                 "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
         for q_name, group in groups:
-            self._check_momentum(q_name, opt, group.get("momentum", 0.0) or 0.0)
+            self._check_optimizer(q_name, opt, group.get("momentum", 0.0) or 0.0,
+                                  group.get("weight_decay", 0.0) or 0.0)
         self._checked.update(q_name for _, q_name in todo)
 
     def optimizer(self):

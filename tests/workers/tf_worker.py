@@ -5,6 +5,7 @@ Needs TF_USE_LEGACY_KERAS=1 (tf-keras), set by the test.
 """
 import argparse
 import json
+import warnings
 
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
@@ -194,7 +195,6 @@ def scenario_nonfinite(results):
 def scenario_fp16_overflow(results, steps=12):
     """wire_values="float16" with tf-keras's LossScaleOptimizer at a loss scale too large for
     float16 (2**24): DGC's overflowing values must make it skip the step and back off."""
-    import warnings
     dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024,
               wire_values="float16")
     model = make_model()
@@ -350,11 +350,29 @@ def scenario_keras_momentum_twice(results):
         results["keras_momentum_twice"] = str(e)
 
 
+def scenario_keras_weight_decay_twice(results):
+    """Weight decay in DGC and in the Keras optimizer: one warning (and training goes on); in
+    DGC only: none."""
+    out = {}
+    for decay in (1e-4, None):
+        model = make_model()
+        opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(LR, weight_decay=decay),
+                                             compression=DGC(weight_decay=1e-4))
+        model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(True))
+        x, y = np.zeros((32, 64), "float32"), np.zeros(32, "int64")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        out[str(decay)] = [str(w.message) for w in caught if "applied twice" in str(w.message)]
+    results["keras_weight_decay_twice"] = out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenarios", default="identical,equivalence,indexed_slices,nonfinite,"
-                    "keras_fit,keras_momentum_twice,semantics,fp16_overflow,checkpoint_misfit,"
+                    "keras_fit,keras_momentum_twice,keras_weight_decay_twice,semantics,"
+                    "fp16_overflow,checkpoint_misfit,"
                     "buckets",
                     help="comma-separated scenario names")
     args = ap.parse_args()

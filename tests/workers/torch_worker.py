@@ -361,9 +361,21 @@ def scenario_momentum_twice(results, prefix):
             "identical": identical_across_ranks(model)}
 
 
+def warnings_of_two_steps(opt, model, marker):
+    """The warnings (texts containing ``marker``) of two training steps."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(2, 3):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return [str(w.message) for w in caught if marker in str(w.message)]
+
+
 def scenario_adam_warning(results, prefix):
     """Adam (its own moment estimates) with DGC(momentum=0.9): one warning per rank at the first
-    step, whatever the number of parameters; with DGC(momentum=0): none."""
+    step, whatever the number of parameters; with DGC(momentum=0): none. Weight decay in both
+    DGC and SGD (in one of two parameter groups): one warning; in DGC only: none."""
     out = {}
     for momentum in (0.9, 0.0):
         torch.manual_seed(1234)
@@ -373,15 +385,21 @@ def scenario_adam_warning(results, prefix):
             named_parameters=[(f"{prefix}{int(momentum * 10)}.{n}", p)
                               for n, p in model.named_parameters()],
             compression=DGC(momentum=momentum))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for x, y in batches(2, 3):
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-        out[str(momentum)] = [str(w.message) for w in caught if "moment estimates" in
-                              str(w.message)]
+        out[str(momentum)] = warnings_of_two_steps(opt, model, "moment estimates")
     results["adam_warning"] = out
+    out = {}
+    for decay in (1e-4, 0.0):
+        torch.manual_seed(1234)
+        model = Net()
+        groups = [{"params": [model.fc1.weight]},
+                  {"params": [p for p in model.parameters() if p is not model.fc1.weight],
+                   "weight_decay": decay}]
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(groups, lr=LR),
+            named_parameters=[(f"{prefix}wd{decay}.{n}", p) for n, p in model.named_parameters()],
+            compression=DGC(weight_decay=1e-4))
+        out[str(decay)] = warnings_of_two_steps(opt, model, "applied twice")
+    results["weight_decay_warning"] = out
 
 
 def scenario_model_mismatch(results, prefix):
