@@ -75,7 +75,7 @@ def log_stats(writer, dgc, step, since=None, prefix="dgc/"):
     Args:
         writer: anything with ``add_scalar(tag, value, step)``: a
             ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package) or the
-            dependency-free :class:`EventWriter`.
+            framework-free :class:`EventWriter` (it needs the ``tensorboard`` package too).
         dgc (DGC): the compressor (``dgc_horovod.torch.DGC`` or ``dgc_horovod.tensorflow.DGC``).
         step (int): the global step (or epoch) to record the values at.
         since (CompressionStats or None): None writes the most recent step's counters

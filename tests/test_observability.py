@@ -1,4 +1,4 @@
-"""TensorBoard logging: the dependency-free event writer, the user helpers (torch log_stats, the
+"""TensorBoard logging: the framework-free event writer, the user helpers (torch log_stats, the
 Keras DGCTensorBoardCallback), the Compression entry points, and the examples' --tensorboard-dir
 in real `horovodrun -np 2` jobs, whose output must be plain lines (no progress-bar fragments).
 Event files are read back with TensorFlow's own reader."""

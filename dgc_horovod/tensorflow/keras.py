@@ -111,8 +111,8 @@ class DGCTensorBoardCallback(_keras.callbacks.Callback):
 
     Args:
         dgc (DGC): the compressor.
-        log_dir (str): directory for a new event file (written by the dependency-free
-            :class:`dgc_horovod.summary.EventWriter`); or
+        log_dir (str): directory for a new event file (written by
+            :class:`dgc_horovod.summary.EventWriter`, which needs the ``tensorboard`` package); or
         writer: an existing writer instead: anything with ``add_scalar(tag, value, step)``, or a
             ``tf.summary`` writer (``tf.summary.create_file_writer(...)``). Exactly one of the two.
         prefix (str): tag prefix.
