@@ -279,6 +279,8 @@ def test_graph_checkpoint_of_another_model_is_refused_before_anything_changes():
         cores[0].load_state_dict(sd)
     assert np.array_equal(to_np(cores[0].states["fc1/kernel:0"].v), before)
     assert cores[0].steps == 1
+    cores[0].load_state_dict(cores[0].state_dict())     # its own, after the trace: accepted
+    assert np.array_equal(to_np(cores[0].states["fc1/kernel:0"].v), before)
 
 
 @pytest.mark.parametrize("what, mangle", [

@@ -574,7 +574,7 @@ class GraphCore(DGCCore):
             tensors = checkpoint.read(self.B, self.config, state_dict, world_size, rank,
                                       reset_residuals)[0]
             if not reset_residuals:
-                self._check_fit(FitCheck(tensors), self._traced)
+                self._check_fit(FitCheck(tensors), list(self._traced))
             for name, (numel, sparse, *_) in tensors.items():
                 st = self._traced.get(name)
                 if st is not None and (numel, sparse) != (st.numel, st.sparse):
