@@ -230,7 +230,10 @@ class DGCCore:
         _check_int("step", step, 0)
         step = int(step)
         epochs = self.config.warmup_epochs is not None
-        if epochs or steps_per_epoch is not None:
+        if steps_per_epoch is None and epochs:      # missing where it is needed: a ValueError
+            raise ValueError("steps_per_epoch must be an int >= 1, got None (needed with "
+                             "warmup_epochs)")
+        if steps_per_epoch is not None:
             _check_int("steps_per_epoch", steps_per_epoch, 1,
                        " (needed with warmup_epochs)" if epochs else "")
         if not epochs:
