@@ -214,6 +214,7 @@ class DGCAdapter:
         self._session_lock = threading.Lock()
         self._warned_single = False
         self._warned_decay = False
+        self._warned_moments = False
         self.resets = 0
 
     @classmethod
@@ -235,10 +236,17 @@ class DGCAdapter:
                                 + f"; the valid ones: {', '.join(valid)}")
 
     # first-step checks -------------------------------------------------------------------
-    def _check_optimizer(self, name, optimizer, momentum, weight_decay=0.0):
+    def _check_optimizer(self, name, optimizer, momentum, weight_decay=0.0, moments=False):
         """ValueError when both DGC and the wrapped ``optimizer`` apply momentum to ``name``;
         a warning (once) when both apply weight decay (``weight_decay``: the optimizer's for
-        ``name``), which decays twice."""
+        ``name``), which decays twice, and (once) when DGC's momentum > 0 meets an Adam-like
+        optimizer (``moments``: it keeps its own moment estimates)."""
+        if self.config.momentum > 0 and moments and not self._warned_moments:
+            self._warned_moments = True
+            warnings.warn(
+                f"{type(optimizer).__mro__[1].__name__} keeps its own moment estimates; DGC("
+                f"momentum={self.config.momentum}) adds momentum correction on top. For "
+                "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
         if self.config.weight_decay > 0 and weight_decay and not self._warned_decay:
             self._warned_decay = True
             warnings.warn(

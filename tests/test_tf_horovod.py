@@ -84,6 +84,14 @@ def test_keras_weight_decay_in_dgc_and_the_optimizer_warns_once(run):
     assert warned["None"] == []
 
 
+def test_keras_adam_with_dgc_momentum_warns_once(run):
+    """As in PyTorch (tests/test_torch_horovod.py): one warning per rank, none with
+    DGC(momentum=0)."""
+    warned = run["keras_adam_warning"]
+    assert len(warned["0.9"]) == 1 and "Adam keeps its own moment estimates" in warned["0.9"][0]
+    assert "DGC(momentum=0)" in warned["0.9"][0] and warned["0.0"] == []
+
+
 def test_keras_fit_with_warmup_callback(run):
     r = run["keras_fit"]
     assert r["identical"] and r["steps"] == 3 * 128 // 16
@@ -118,8 +126,10 @@ def test_buckets_equal_one_allgather_per_tensor_bit_for_bit(run, case):
 
 
 def test_keras_momentum_in_both_places_is_an_error(run):
-    msg = run["keras_momentum_twice"]
-    assert msg is not None and "momentum would be applied twice" in msg
+    for key in ("", "_legacy"):     # tf.keras.optimizers.legacy.SGD too (it crashed)
+        msg = run[f"keras_momentum{key}_0.9"]
+        assert msg is not None and "momentum would be applied twice" in msg, msg
+        assert run[f"keras_momentum{key}_0.0"] is None
 
 
 @pytest.mark.parametrize("scenario", ["wire", "wire_per_tensor", "wire_host"])

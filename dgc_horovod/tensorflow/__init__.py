@@ -54,7 +54,8 @@ from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.core import DGCCore
 from dgc_horovod.tensorflow.graph import GraphCore, GraphPath
 from dgc_horovod.tensorflow.keras import (DGCTensorBoardCallback, DGCWarmupCallback, momentum_of,
-                                          refuse_loss_scaler, warn_if_keras3, weight_decay_of)
+                                          has_moments, refuse_loss_scaler, warn_if_keras3,
+                                          weight_decay_of)
 from dgc_horovod.tensorflow.host import Host, HostPath, check_traced, make_backend
 from dgc_horovod.tensorflow.variables import ComparedModels, StateNames, find_variable
 
@@ -110,7 +111,8 @@ class DGC(DGCAdapter, Compressor):
         """Trace-time: place DGC's ops for ``tensor`` in the graph; return (to allreduce, ctx)."""
         check_traced(tensor)
         var, op, process_set, owner, reduced = find_variable(tensor)
-        self._check_optimizer(var.name, owner, momentum_of(owner), weight_decay_of(owner))
+        self._check_optimizer(var.name, owner, momentum_of(owner), weight_decay_of(owner),
+                              has_moments(owner))
         if op is not None and op not in (hvd.Average, hvd.Sum):
             raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
         process_set = hvd.global_process_set if process_set is None else process_set

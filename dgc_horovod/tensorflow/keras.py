@@ -15,7 +15,7 @@ except ImportError:     # pragma: no cover - tf-keras is what horovod.tensorflow
     _keras = tf.keras
 
 __all__ = ["DGCWarmupCallback", "DGCTensorBoardCallback", "momentum_of", "weight_decay_of",
-           "warn_if_keras3", "refuse_loss_scaler"]
+           "has_moments", "warn_if_keras3", "refuse_loss_scaler"]
 
 _KERAS3_HINT = ("tf.keras is Keras 3 here: horovod.tensorflow 0.28 calls .ref() and .assign() on "
                 "variables and fails on Keras 3 models (DistributedGradientTape with "
@@ -42,27 +42,39 @@ def refuse_loss_scaler(kwargs):
             "\"Mixed precision\")")
 
 
-def weight_decay_of(optimizer):
-    """The weight decay of a (Horovod-wrapped) Keras optimizer (its ``weight_decay``, None by
-    default); 0.0 for a tape or when not a number."""
-    try:
-        return float(getattr(optimizer, "weight_decay", None) or 0.0)
-    except (TypeError, ValueError):
-        return 0.0
+def _hyper_of(optimizer, name):
+    """A number hyper-parameter of a (Horovod-wrapped) Keras optimizer, read eagerly: a legacy
+    optimizer (``tf.keras.optimizers.legacy``) keeps it in a ``tf.Variable``, which reads as a
+    symbolic tensor in the traced step. 0.0 for a tape, or where it is None or not a number (a
+    schedule)."""
+    with tf.init_scope():
+        m = getattr(optimizer, name, None)
+        if m is None and hasattr(optimizer, "_get_hyper"):
+            try:
+                m = optimizer._get_hyper(name)
+            except (KeyError, AttributeError):
+                m = None
+        try:
+            return float(m) if m is not None else 0.0
+        except (TypeError, ValueError):
+            return 0.0
 
 
 def momentum_of(optimizer):
     """The momentum hyper-parameter of a (Horovod-wrapped) Keras optimizer; 0.0 for a tape."""
-    m = getattr(optimizer, "momentum", None)
-    if m is None and hasattr(optimizer, "_get_hyper"):
-        try:
-            m = optimizer._get_hyper("momentum")
-        except (KeyError, AttributeError):
-            m = None
-    try:
-        return float(m) if m is not None else 0.0
-    except (TypeError, ValueError):
-        return 0.0
+    return _hyper_of(optimizer, "momentum")
+
+
+def has_moments(optimizer):
+    """Whether a (Horovod-wrapped) Keras optimizer keeps its own moment estimates (Adam-like:
+    it has ``beta_1``)."""
+    return getattr(optimizer, "beta_1", None) is not None
+
+
+def weight_decay_of(optimizer):
+    """The weight decay of a (Horovod-wrapped) Keras optimizer (its ``weight_decay``, None by
+    default); 0.0 for a tape or a legacy optimizer (which has none)."""
+    return _hyper_of(optimizer, "weight_decay")
 
 
 class DGCWarmupCallback(_keras.callbacks.Callback):

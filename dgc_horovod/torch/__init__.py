@@ -95,7 +95,7 @@ class DGC(DGCAdapter, Compressor):
         self._loss_scaler = loss_scaler
         self._core.skip_nonfinite_steps = loss_scale.skips_nonfinite_steps(loss_scaler)
         self._exchange = Exchange(self._core, self.config.bucket_numel)
-        self._checks = OptimizerChecks(self.config, self._check_optimizer)
+        self._checks = OptimizerChecks(self._check_optimizer)
         if hvd.is_initialized() and hvd.size() == 1:
             self._warn_single_process()
 

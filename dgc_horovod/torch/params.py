@@ -20,7 +20,6 @@ optimizer per DGC, and momentum not applied twice to any parameter it reduces. W
 step's first gradient, :func:`undo_refused_step` leaves Horovod's optimizer usable.
 """
 import sys
-import warnings
 import weakref
 
 import horovod.torch as hvd
@@ -123,15 +122,15 @@ class OptimizerChecks:
     """The checks of a step's first gradient with one DGC (call it with (optimizer, parameter,
     name) at every compress; once passed, a call costs a set lookup): one optimizer per DGC (a
     second one is refused, its per-parameter residuals would mix the two models' gradients),
-    momentum not applied twice to any parameter the optimizer reduces, and weight decay warned
-    of when applied twice (``check_optimizer(name, optimizer, momentum, weight_decay)``, the
-    adapter's), and a warning for Adam-like optimizers when DGC's
-    momentum (``config.momentum``) is > 0. Every reduced parameter is checked at the first
+    momentum not applied twice to any parameter the optimizer reduces, and warnings for weight
+    decay applied twice and for Adam-like optimizers (a parameter group with ``betas``) under
+    DGC's momentum (``check_optimizer(name, optimizer, momentum, weight_decay, moments)``, the
+    adapter's). Every reduced parameter is checked at the first
     gradient, so a refusal comes before anything of the step is sent (:func:`undo_refused_step`
     then leaves Horovod's optimizer usable)."""
 
-    def __init__(self, config, check_optimizer):
-        self._config, self._check_optimizer = config, check_optimizer
+    def __init__(self, check_optimizer):
+        self._check_optimizer = check_optimizer
         self._checked = set()       # the parameters checked
         self._optimizer = None      # weak reference to the one optimizer this DGC serves
 
@@ -152,15 +151,9 @@ class OptimizerChecks:
             todo.append((p, name))
         groups = [(q_name, param_group(opt, q)) for q, q_name in todo]
         groups = [(q_name, group) for q_name, group in groups if group is not None]
-        if self._config.momentum > 0 and not self._checked \
-                and any("betas" in group for _, group in groups):
-            warnings.warn(
-                f"{type(opt).__mro__[1].__name__} keeps its own moment estimates; DGC("
-                f"momentum={self._config.momentum}) adds momentum correction on top. For "
-                "Adam-like optimizers use DGC(momentum=0) (error feedback only).")
         for q_name, group in groups:
             self._check_optimizer(q_name, opt, group.get("momentum", 0.0) or 0.0,
-                                  group.get("weight_decay", 0.0) or 0.0)
+                                  group.get("weight_decay", 0.0) or 0.0, "betas" in group)
         self._checked.update(q_name for _, q_name in todo)
 
     def optimizer(self):

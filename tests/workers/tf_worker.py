@@ -337,34 +337,46 @@ def scenario_keras_fit(results):
 
 
 def scenario_keras_momentum_twice(results):
-    dgc = DGC(compress_ratio=0.01, momentum=0.9)
+    """Momentum in DGC and in the Keras optimizer: refused at the first step; also for the
+    legacy optimizers (their momentum a tf.Variable), which train with momentum=0."""
+    for key, sgd in (("", tf.keras.optimizers.SGD), ("_legacy", tf.keras.optimizers.legacy.SGD)):
+        for momentum in (0.9, 0.0):
+            model = make_model()
+            opt = hvd_keras.DistributedOptimizer(sgd(LR, momentum=momentum),
+                                                 compression=DGC(compress_ratio=0.01,
+                                                                 momentum=0.9))
+            model.compile(optimizer=opt,
+                          loss=tf.keras.losses.SparseCategoricalCrossentropy(True))
+            x, y = np.zeros((16, 64), "float32"), np.zeros(16, "int64")
+            try:
+                model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+                error = None
+            except ValueError as e:
+                error = str(e)
+            results[f"keras_momentum{key}_{momentum}"] = error
+
+
+def fit_warnings(optimizer, dgc, marker):
+    """The warnings (texts containing ``marker``) of a Keras fit of two steps."""
     model = make_model()
-    opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(LR, momentum=0.9),
-                                         compression=dgc)
+    opt = hvd_keras.DistributedOptimizer(optimizer, compression=dgc)
     model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(True))
-    x, y = np.zeros((16, 64), "float32"), np.zeros(16, "int64")
-    try:
+    x, y = np.zeros((32, 64), "float32"), np.zeros(32, "int64")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-        results["keras_momentum_twice"] = None
-    except ValueError as e:
-        results["keras_momentum_twice"] = str(e)
+    return [str(w.message) for w in caught if marker in str(w.message)]
 
 
 def scenario_keras_weight_decay_twice(results):
     """Weight decay in DGC and in the Keras optimizer: one warning (and training goes on); in
-    DGC only: none."""
-    out = {}
-    for decay in (1e-4, None):
-        model = make_model()
-        opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(LR, weight_decay=decay),
-                                             compression=DGC(weight_decay=1e-4))
-        model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(True))
-        x, y = np.zeros((32, 64), "float32"), np.zeros(32, "int64")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-        out[str(decay)] = [str(w.message) for w in caught if "applied twice" in str(w.message)]
-    results["keras_weight_decay_twice"] = out
+    DGC only: none. Adam with DGC's momentum: one warning; with DGC(momentum=0): none."""
+    results["keras_weight_decay_twice"] = {str(decay): fit_warnings(
+        tf.keras.optimizers.SGD(LR, weight_decay=decay), DGC(weight_decay=1e-4),
+        "applied twice") for decay in (1e-4, None)}
+    results["keras_adam_warning"] = {str(momentum): fit_warnings(
+        tf.keras.optimizers.Adam(1e-3), DGC(momentum=momentum), "moment estimates")
+        for momentum in (0.9, 0.0)}
 
 
 def main():
