@@ -84,6 +84,15 @@ def read_timeline(path):
     return out
 
 
+def check_warned_once(warned, on, off, *texts):
+    """A worker's record of a first-step warning ({setting: [messages]}): exactly one message
+    with setting ``on``, containing every one of ``texts``, and none with ``off``."""
+    assert len(warned[on]) == 1, warned
+    for text in texts:
+        assert text in warned[on][0], warned[on][0]
+    assert warned[off] == [], warned
+
+
 def check_loss_scaler_saw_fp16_overflow(r):
     """What the fp16_overflow scenario of tests/workers/torch_worker.py and tf_worker.py recorded
     (wire_values="float16", a framework loss scaler starting at 2**24): a step was skipped

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from conftest import check_loss_scaler_saw_fp16_overflow, horovodrun, read_timeline
+from conftest import (check_loss_scaler_saw_fp16_overflow, check_warned_once, horovodrun,
+                      read_timeline)
 
 pytestmark = pytest.mark.horovodrun
 
@@ -76,20 +77,16 @@ def test_checkpoint_of_other_names_is_refused_at_the_first_step(run):
 
 
 def test_keras_weight_decay_in_dgc_and_the_optimizer_warns_once(run):
-    warned = run["keras_weight_decay_twice"]
-    assert len(warned["0.0001"]) == 1, warned
-    msg = warned["0.0001"][0]
-    assert "DGC(weight_decay=0.0001)" in msg and "SGD's weight_decay=0.0001" in msg, msg
-    assert "to 'fc1/kernel:0'" in msg and "weight_decay=0" in msg
-    assert warned["None"] == []
+    check_warned_once(run["keras_weight_decay_twice"], "0.0001", "None",
+                      "DGC(weight_decay=0.0001)", "SGD's weight_decay=0.0001",
+                      "to 'fc1/kernel:0'", "weight_decay=0")
 
 
 def test_keras_adam_with_dgc_momentum_warns_once(run):
     """As in PyTorch (tests/test_torch_horovod.py): one warning per rank, none with
     DGC(momentum=0)."""
-    warned = run["keras_adam_warning"]
-    assert len(warned["0.9"]) == 1 and "Adam keeps its own moment estimates" in warned["0.9"][0]
-    assert "DGC(momentum=0)" in warned["0.9"][0] and warned["0.0"] == []
+    check_warned_once(run["keras_adam_warning"], "0.9", "0.0",
+                      "Adam keeps its own moment estimates", "DGC(momentum=0)")
 
 
 def test_keras_fit_with_warmup_callback(run):

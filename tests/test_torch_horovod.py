@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import check_loss_scaler_saw_fp16_overflow, horovodrun, read_timeline
+from conftest import (check_loss_scaler_saw_fp16_overflow, check_warned_once, horovodrun,
+                      read_timeline)
 
 pytestmark = pytest.mark.horovodrun
 
@@ -135,20 +136,15 @@ def test_momentum_in_both_places_is_an_error_and_the_optimizer_goes_on(run):
 
 
 def test_adam_with_dgc_momentum_warns_once(run):
-    warned = run[0]["adam_warning"]
-    assert len(warned["0.9"]) == 1 and "DGC(momentum=0)" in warned["0.9"][0], warned
-    assert warned["0.0"] == []
+    check_warned_once(run[0]["adam_warning"], "0.9", "0.0", "DGC(momentum=0)")
 
 
 def test_weight_decay_in_dgc_and_the_optimizer_warns_once(run):
     """Momentum set twice is refused; weight decay set twice decays twice, which a run may mean
     (docs/usage.md): one warning per rank, naming both and what to do."""
-    warned = run[0]["weight_decay_warning"]
-    assert len(warned["0.0001"]) == 1, warned
-    msg = warned["0.0001"][0]
-    assert "DGC(weight_decay=0.0001)" in msg and "SGD's weight_decay=0.0001" in msg, msg
-    assert "weight_decay=0" in msg and "'adamwd0.0001." in msg
-    assert warned["0.0"] == []
+    check_warned_once(run[0]["weight_decay_warning"], "0.0001", "0.0",
+                      "DGC(weight_decay=0.0001)", "SGD's weight_decay=0.0001", "weight_decay=0",
+                      "'adamwd0.0001.")
 
 
 def test_models_differing_across_ranks_is_a_clear_error(run):
