@@ -40,23 +40,24 @@ def _license():
 
 
 class OptionalBuildExt(build_ext):
-    """Builds the fused CPU kernels (dgc_horovod/core/_kernels.c) when a C compiler works.
+    """Builds the C engine's kernels (dgc_horovod/core/_kernels.c) when a C compiler works.
 
-    Without them dgc_horovod still works, on its tensor-op path (slower; see README, "Cost of
-    compress"), so a failed compile warns instead of failing the install; tests/test_kernels.py
-    fails when the kernels are missing from a checkout installed with `make install`.
+    Without them dgc_horovod still works, on its tensor-op engine (slower; the same bits), so a
+    failed compile warns instead of failing the install;
+    tests/test_c_engine.py::test_extension_is_built fails when the kernels are missing from a
+    checkout installed with `make install`.
     """
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001 - any compiler/linker failure
-            print(f"WARNING: dgc_horovod: building {ext.name} failed ({e}); the fused CPU "
-                  "kernels are off and DGC uses its tensor-op path")
+            print(f"WARNING: dgc_horovod: building {ext.name} failed ({e}); the C engine "
+                  "is off and DGC uses its tensor-op engine on CPU tensors")
 
 
 # -O3 for speed; -ffp-contract=off so that a*b + c is never fused behind the code's back (the
-# kernels reproduce the frameworks' float32 rounding bit for bit, fma only where they ask for it)
+# engine contract rounds every float32 product and sum on its own: dgc_horovod/core/engine.py)
 KERNELS = Extension("dgc_horovod.core._kernels", ["dgc_horovod/core/_kernels.c"],
                     extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
                     extra_link_args=["-pthread"])

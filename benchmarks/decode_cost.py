@@ -4,14 +4,12 @@ N simulated ranks (default 2) each compress random gradients with ResNet-50's 16
 (benchmarks/shapes.py) through ``DGCCore.compress_many``, bucket by bucket as the PyTorch adapter
 plans them (default settings: ``bucket_numel`` 2**22, 1-D tensors dense); each bucket's frames are
 concatenated in rank order (what Horovod's allgather returns). Then, per step, rank 0's receive
-side is timed as the adapter runs it: per bucket ``DGCCore.split_bucket`` (``kernels.split_bucket``,
-``wire.split_bucket`` for the reference), then per sparsified member the concatenation of its payloads and
-``DGCCore.decompress`` into the gradient's own storage (``out``, what the adapter passes for a
-float32 gradient). Timed two ways in interleaved rounds:
-the decode kernel (``DGCCore.use_kernels = True``: :func:`dgc_horovod.core.kernels.decode_sum`
-when it is built) and the tensor-op reference (``use_kernels = False``: ``wire.decode_sum``);
-beside them the floor that no decode avoids, zero-filling the members' outputs (``zero_``).
-Checks that both give the same bits.
+side is timed as the adapter runs it: per bucket ``DGCCore.split_bucket``, then per sparsified
+member the concatenation of its payloads and ``DGCCore.decompress`` into the gradient's own
+storage (``out``, what the adapter passes for a float32 gradient). Timed with two engines
+(dgc_horovod/core/engine.py) in interleaved rounds: the C engine (``engine="c"``) and the tensor
+ops (``engine="ops"``, the reference); beside them the floor that no decode avoids, zero-filling
+the members' outputs (``zero_``). Checks that both give the same bits.
 
     python benchmarks/decode_cost.py [--ranks 2] [--repeats 9] [--profile 25]
 """
@@ -33,7 +31,7 @@ from dgc_horovod.backends.torch_backend import TorchBackend  # noqa: E402
 
 def setup(ranks, seed=0):
     """(cores, [(bucket name, member count, gathered, [(member, name, ctx)])], outs)."""
-    config = DGCConfig(momentum=0.9, warmup_epochs=0)
+    config = DGCConfig(momentum=0.9, warmup_steps=0, environ={})
     B = TorchBackend()
     shapes = list(reversed(resnet50()))                      # plan order: reverse registration
     plan = plan_buckets([(n, torch.Size(s).numel(), len(s)) for n, s in shapes],
@@ -92,23 +90,22 @@ def main(argv=None):
           f"tensors ({elements:,} elements), density {core.density:g}; 1 torch thread; "
           f"load average {os.getloadavg()[0]:.2f} at start")
 
-    def way(kernel):
-        def run():
-            core.use_kernels = kernel
-            receive(core, buckets, outs, args.ranks)
-        return run
+    def way(engine):
+        decoder = DGCCore(DGCConfig(momentum=0.9, warmup_steps=0, engine=engine, environ={}),
+                          core.B)
+        return lambda: receive(decoder, buckets, outs, args.ranks)
 
     def zero():
         for o in outs.values():
             o.zero_()
 
-    fns = {"kernel": way(True), "reference": way(False), "zero_ only": zero}
+    fns = {"C engine": way("c"), "tensor ops": way("ops"), "zero_ only": zero}
     got = {}
-    for label in ("kernel", "reference"):
+    for label in ("C engine", "tensor ops"):
         fns[label]()
         got[label] = {n: o.clone() for n, o in outs.items()}
-    same = all(torch.equal(got["kernel"][n].view(torch.int32), got["reference"][n].view(torch.int32))
-               for n in outs)
+    same = all(torch.equal(got["C engine"][n].view(torch.int32),
+                           got["tensor ops"][n].view(torch.int32)) for n in outs)
     times = {k: [] for k in fns}
     for _ in range(args.repeats):
         for k, fn in fns.items():
@@ -118,11 +115,12 @@ def main(argv=None):
     for k, v in times.items():
         print(f"{k:>10}: {1e3 * statistics.median(v):7.2f} ms per step (median of {args.repeats}, "
               f"min {1e3 * min(v):.2f})")
-    print(f"# same bits, kernel and reference: {same}; load average {os.getloadavg()[0]:.2f} at end")
+    print(f"# same bits, C engine and tensor ops: {same}; load average {os.getloadavg()[0]:.2f} "
+          "at end")
     if args.profile:
         import cProfile
         import pstats
-        for label in ("kernel", "reference"):
+        for label in ("C engine", "tensor ops"):
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(3):

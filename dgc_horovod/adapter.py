@@ -306,7 +306,8 @@ class DGCAdapter:
 
         A plain dict (see :meth:`dgc_horovod.core.DGCCore.state_dict`): config, warm-up epoch,
         every tensor's velocity u, residual v and sparse flag keyed by its name, the
-        threshold-sampling generator state, the cumulative statistics, the loss scale the
+        warm-up position (its step count also fixes the threshold's samples), the cumulative
+        statistics, the loss scale the
         residuals are in (``loss_scale``; PyTorch's ``loss_scaler``), and the world size and
         rank of ``process_set`` (default: the global one). Copies, safe to keep. Call it between
         steps. PyTorch: ``torch.load(..., weights_only=True)`` can read it back; a RuntimeError
@@ -328,7 +329,7 @@ class DGCAdapter:
 
         Args:
             state_dict (dict): what :meth:`state_dict` returned on this rank.
-            reset_residuals (bool): keep config, warm-up epoch, generator and statistics, but
+            reset_residuals (bool): keep config, warm-up position and statistics, but
                 drop every u and v (they restart at zero); the way to resume with a different
                 number of ranks. The dropped residual is gradient that is never applied: a small
                 one-off perturbation.
@@ -379,8 +380,8 @@ class DGCAdapter:
         The rule: every tensor's velocity u and residual v are dropped (they restart at zero at
         the next step), and so are the bucket plans, the first-step checks (model consistency
         across ranks, momentum) and any exchange still pending; the world size N (clipping
-        threshold, averaging) is read again at the next step. Config, warm-up epoch, sampling
-        generator and statistics are kept.
+        threshold, averaging) is read again at the next step. Config, warm-up position and
+        statistics are kept.
 
         DGC applies it by itself at every reset of an elastic state that carries it
         (PyTorch: ``hvd.elastic.TorchState(..., dgc=dgc)``, at ``sync`` or, when Horovod skips
@@ -436,19 +437,18 @@ class DGCAdapter:
     def _elastic_sync(self):
         """Collective: apply the reset rule if Horovod was re-initialized, check that every rank
         has the same config (ValueError on every rank, naming the settings, otherwise) and take
-        rank 0's warm-up position (epoch and step count) and sampling generator."""
+        rank 0's warm-up position (epoch and step count, which also fixes the threshold's
+        samples)."""
         hvd = self._hvd
         self._follow_horovod()
         mine = self._core.state_dict()
         configs = hvd.allgather_object(mine["config"], name="dgc.elastic.config")
         for rank, theirs in enumerate(configs):
             check_same_config(mine["config"], theirs, rank)
-        root = hvd.broadcast_object({"epoch": mine["epoch"], "steps": mine["steps"],
-                                     "generator": mine["generator"]},
+        root = hvd.broadcast_object({"epoch": mine["epoch"], "steps": mine["steps"]},
                                     root_rank=0, name="dgc.elastic.sync")
         if hvd.rank() != 0:
             mine["epoch"], mine["steps"] = root["epoch"], root["steps"]
-            mine["generator"] = root["generator"]
             self._core.load_state_dict(mine)
         self._elastic_sync_more()
 
@@ -462,7 +462,7 @@ class DGCAdapter:
 class ElasticHandler:
     """A DGC object's part in a Horovod elastic state: ``save`` (commit) copies its state,
     ``restore`` goes back to that copy bit for bit, ``sync`` (collective) applies the reset rule
-    if due, checks the configs and takes rank 0's warm-up position and generator. The PyTorch
+    if due, checks the configs and takes rank 0's warm-up position. The PyTorch
     handler (:mod:`dgc_horovod.torch.elastic`) and the TensorFlow states
     (:mod:`dgc_horovod.tensorflow.elastic`) are built on it.
 
@@ -486,6 +486,5 @@ class ElasticHandler:
         self.value._elastic_restore(self._saved)
 
     def sync(self):
-        """Collective: reset rule if due, config check, rank 0's warm-up position and
-        generator."""
+        """Collective: reset rule if due, config check, rank 0's warm-up position."""
         self.value._elastic_sync()

@@ -1,7 +1,7 @@
 """A simulated cluster: N DGC workers in one process, for convergence studies (PyTorch).
 
 Each simulated worker owns a :class:`~dgc_horovod.core.DGCCore` (its residuals, velocities,
-sampling generator, statistics) and makes, per step, the same core calls as the PyTorch adapter
+warm-up position, statistics) and makes, per step, the same core calls as the PyTorch adapter
 under ``horovodrun`` (:mod:`dgc_horovod.torch`, :mod:`dgc_horovod.torch.exchange`):
 
 1. its local gradients (the caller's backward on the worker's own batch);
@@ -11,8 +11,8 @@ under ``horovodrun`` (:mod:`dgc_horovod.torch`, :mod:`dgc_horovod.torch.exchange
    ``core.compress_many`` of its sparsified members, framed by ``wire.frame_bucket``; every
    dense member: ``core.compress`` (its momentum-corrected velocity);
 4. the exchange: a bucket's frames concatenated in rank order (what Horovod's allgather
-   returns), split by ``DGCCore.split_bucket`` and decoded by each worker's ``core.decompress``
-   (sum in rank order, divided by N for Average); dense velocities summed in rank order and
+   returns), decoded by each worker's ``core.decompress_bucket`` (sum in rank order, divided by
+   N for Average); dense velocities summed in rank order and
    divided by N (Horovod's Average);
 5. ``core.apply_weight_decay`` (``weight_decay_mode="separate"``), then ``p.grad`` is set to the
    result and the caller runs the wrapped optimizer's step.
@@ -174,16 +174,17 @@ class SimulatedCluster:
             gathered = B.cat([segments[k][b] for k in range(N)])
             for k in range(N):
                 cores[k].count_allgather(B.numel(gathered), B.numel(segments[k][b]))
-            parts = cores[0].split_bucket(gathered, N, len(members), "dgc.bucket." + members[0])
-            for m, (n, s) in enumerate(zip(members, flags)):
-                if not s:
-                    continue
-                got = parts[m]
-                got = (B.cat(got) if got else got), len(got)
-                res = cores[0].decompress(got[0], contexts[0][n], N, avg, got[1])
+            name, sparse = "dgc.bucket." + members[0], [(m, n) for m, (n, s) in
+                                                        enumerate(zip(members, flags)) if s]
+            decoded = cores[0].decompress_bucket(gathered, N, len(members), name,
+                                                 {m: (contexts[0][n], None) for m, n in sparse},
+                                                 avg)
+            for m, n in sparse:
+                res = decoded[m]
                 if not B.all_finite(res):
                     for k in range(1, N):
-                        cores[k].decompress(got[0], contexts[k][n], N, avg, got[1])
+                        cores[k].decompress_bucket(gathered, N, len(members), name,
+                                                   {m: (contexts[k][n], None)}, avg)
                 out[n] = self._weight_decay(n, res, byname[n], wd)
         for n in dense[0]:
             out[n] = self._weight_decay(n, self._dense_reduce([d[n] for d in dense]),

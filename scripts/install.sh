@@ -87,8 +87,10 @@ if [ "$(cat "$VENV/.dgc-requirements" 2>/dev/null)" != "$req_key" ]; then
     if [ -z "$TORCH_SPEC$TF_SPEC" ]; then
         "$PY" -m pip install -q -r "$ROOT/requirements.txt"
     else
-        # each spec (a pip argument list) replaces its line of requirements.txt
+        # each spec (a pip argument list) replaces its line of requirements.txt; another torch
+        # brings the Triton it was built with (its CUDA builds), so the triton line goes too
         drop=(-e '^#')
+        [ -z "$TORCH_SPEC" ] || drop+=(-e '^triton[=<>~! ]')
         for line in "torch $TORCH_SPEC" "tensorflow-cpu $TF_SPEC"; do
             read -r name spec <<< "$line"
             [ -n "$spec" ] || continue

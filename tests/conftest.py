@@ -6,6 +6,16 @@ import os
 # tf-keras, not Keras 3, for every TensorFlow import in the test process (before the first one)
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# The Triton engine's kernels run on CPU tensors under Triton's interpreter here (it is read when
+# triton is imported). And triton is imported before anything imports TensorFlow: TensorFlow
+# loads its LLVM with global symbols, and a Triton loaded after it (torch._dynamo imports it, e.g.
+# from torch.optim) registers LLVM's options a second time and aborts the process ("LLVM ERROR:
+# inconsistency in registered CommandLine options"); loaded first, each keeps its own.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+try:
+    import triton  # noqa: E402,F401
+except ImportError:
+    pass
 import subprocess
 import sys
 
@@ -114,8 +124,8 @@ def check_loss_scaler_saw_fp16_overflow(r):
     return ranks, overflowed
 
 
-#: The settings the unit tests of the sparse path's mechanics (test_core, test_kernels, the batch
-#: tests, test_checkpoint, test_wire_fuzz) were written for: they feed flat 1-D gradients and
+#: The settings the unit tests of the sparse path's mechanics (test_core, test_checkpoint,
+#: test_wire_fuzz) were written for: they feed flat 1-D gradients and
 #: expect them sparsified, drive the warm-up with set_epoch, clip per tensor, and accumulate weight
 #: decay. DGCConfig reads HOROVOD_DGC_* wherever a test does not pass the option itself; a test
 #: that passes environ={} or the option explicitly is not affected.

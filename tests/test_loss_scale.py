@@ -36,13 +36,10 @@ SETTINGS = {
 }
 
 
-def cores(settings, use_kernels):
+def cores(settings, engine):
     settings = {k: v for k, v in settings.items() if k not in ("average", "scales")}
-    out = [DGCCore(DGCConfig(compress_ratio=0.05, warmup_epochs=0, environ={}, **settings),
-                   NumpyBackend()) for _ in range(N)]
-    for c in out:
-        c.use_kernels = c.use_kernels and use_kernels
-    return out
+    return [DGCCore(DGCConfig(compress_ratio=0.05, warmup_epochs=0, environ={}, engine=engine,
+                              **settings), NumpyBackend()) for _ in range(N)]
 
 
 def gradients(step, w):
@@ -83,12 +80,12 @@ def step_updates(ranks, grads, w, average, scale=None):
     return updates
 
 
-def train(settings, use_kernels, scaled):
+def train(settings, engine, scaled):
     """SGD (lr 0.1) on the updates; scaled: the gradients are multiplied by the step's scale,
     DGC is told the scale, and the update divided by it (GradScaler.unscale_). Returns the
     per-step unscaled updates and the cores."""
     average = settings.get("average", True)
-    ranks = cores(settings, use_kernels)
+    ranks = cores(settings, engine)
     w = {n: np.full(s, 0.25, F32) for n, s in SHAPES.items()}
     history = []
     for step, s in enumerate(settings.get("scales", SCALES)):
@@ -108,11 +105,11 @@ def train(settings, use_kernels, scaled):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("use_kernels", [True, False], ids=["fused", "ops"])
+@pytest.mark.parametrize("engine", ["c", "ops"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_scaled_training_gives_the_unscaled_updates_bit_for_bit(setting, use_kernels):
-    plain, plain_ranks = train(SETTINGS[setting], use_kernels, scaled=False)
-    scaled, scaled_ranks = train(SETTINGS[setting], use_kernels, scaled=True)
+def test_scaled_training_gives_the_unscaled_updates_bit_for_bit(setting, engine):
+    plain, plain_ranks = train(SETTINGS[setting], engine, scaled=False)
+    scaled, scaled_ranks = train(SETTINGS[setting], engine, scaled=True)
     for step, (a, b) in enumerate(zip(plain, scaled)):
         for name in SHAPES:
             assert np.array_equal(a[name], b[name], equal_nan=True), (setting, step, name)
@@ -129,7 +126,7 @@ def test_scaled_training_gives_the_unscaled_updates_bit_for_bit(setting, use_ker
                     assert np.array_equal(x * F32(last), y), (name, key)
     # the settings matter: clipping and weight decay change the updates
     if setting not in ("plain", "float16_wire", "clip_and_weight_decay_sum"):
-        base, _ = train(SETTINGS["plain"], use_kernels, scaled=False)
+        base, _ = train(SETTINGS["plain"], engine, scaled=False)
         assert not all(np.array_equal(x["w"], y["w"], equal_nan=True)
                        for x, y in zip(base, plain))
 
@@ -138,9 +135,9 @@ def test_scaled_training_gives_the_unscaled_updates_bit_for_bit(setting, use_ker
 def test_without_set_loss_scale_a_change_of_scale_breaks_the_equality():
     """The test above can fail: telling DGC the first scale only (as if it never saw a change)
     gives different updates after the first change."""
-    ranks = cores({}, True)
+    ranks = cores({}, "auto")
     w = {n: np.full(s, 0.25, F32) for n, s in SHAPES.items()}
-    plain_ranks = cores({}, True)
+    plain_ranks = cores({}, "auto")
     differs = []
     for step, s in enumerate(SCALES[:6]):
         grads = gradients(step, w)
@@ -154,7 +151,7 @@ def test_without_set_loss_scale_a_change_of_scale_breaks_the_equality():
 @pytest.mark.unit
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "x", None, True])
 def test_set_loss_scale_refuses_a_bad_scale(bad):
-    core = cores({}, True)[0]
+    core = cores({}, "auto")[0]
     with pytest.raises(ValueError, match="loss scale must be a finite number > 0"):
         core.set_loss_scale(bad)
     assert core.loss_scale == 1.0
@@ -162,7 +159,7 @@ def test_set_loss_scale_refuses_a_bad_scale(bad):
 
 @pytest.mark.unit
 def test_rescaling_that_overflows_drops_the_tensor_state():
-    core = cores({}, True)[0]
+    core = cores({}, "auto")[0]
     core.set_loss_scale(1.0)
     core.compress("w", np.full(SHAPES["w"], 1e30, F32), N)
     core.compress("b", np.full(SHAPES["b"], 1.0, F32), N)
@@ -178,12 +175,12 @@ def test_rescaling_that_overflows_drops_the_tensor_state():
 
 @pytest.mark.unit
 def test_checkpoint_records_the_loss_scale_and_reads_version_2():
-    a = cores({}, True)[0]
+    a = cores({}, "auto")[0]
     a.set_loss_scale(2.0 ** 12)
     a.compress("b", np.ones(6, F32), N)
     sd = a.state_dict()
-    assert sd["version"] == STATE_DICT_VERSION == 3 and sd["loss_scale"] == 2.0 ** 12
-    b = cores({}, True)[0]
+    assert sd["version"] == STATE_DICT_VERSION == 4 and sd["loss_scale"] == 2.0 ** 12
+    b = cores({}, "auto")[0]
     b.load_state_dict(sd)
     assert b.loss_scale == 2.0 ** 12
     b.set_loss_scale(2.0 ** 13)                         # rescaled from the recorded scale
@@ -191,7 +188,7 @@ def test_checkpoint_records_the_loss_scale_and_reads_version_2():
     # version 2 (before loss_scale): loads; the scale is unknown, the next one is adopted
     old = dict(sd, version=2)
     del old["loss_scale"]
-    c = cores({}, True)[0]
+    c = cores({}, "auto")[0]
     c.load_state_dict(old)
     assert c.loss_scale == 1.0 and c.state_dict()["loss_scale"] is None
     c.set_loss_scale(2.0 ** 13)
@@ -199,9 +196,9 @@ def test_checkpoint_records_the_loss_scale_and_reads_version_2():
     assert c.loss_scale == 2.0 ** 13
     for bad in (0.0, float("nan"), "2"):
         with pytest.raises(ValueError, match="'loss_scale' must be a finite number > 0"):
-            cores({}, True)[0].load_state_dict(dict(sd, loss_scale=bad))
-    with pytest.raises(ValueError, match="reads versions 2, 3"):
-        cores({}, True)[0].load_state_dict(dict(sd, version=1))
+            cores({}, "auto")[0].load_state_dict(dict(sd, loss_scale=bad))
+    with pytest.raises(ValueError, match="reads versions 2, 3, 4"):
+        cores({}, "auto")[0].load_state_dict(dict(sd, version=1))
 
 
 @pytest.mark.adapter

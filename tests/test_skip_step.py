@@ -41,12 +41,11 @@ SETTINGS = {
 BACKENDS = {"numpy": NumpyBackend, "torch": TorchBackend}
 
 
-def make(setting, backend, use_kernels, skip=True):
+def make(setting, backend, engine, skip=True):
     out = []
     for _ in range(N):
-        c = DGCCore(DGCConfig(compress_ratio=0.05, warmup_epochs=0, environ={},
+        c = DGCCore(DGCConfig(compress_ratio=0.05, warmup_epochs=0, environ={}, engine=engine,
                               **SETTINGS[setting]), BACKENDS[backend]())
-        c.use_kernels = c.use_kernels and use_kernels
         c.skip_nonfinite_steps = skip
         out.append(c)
     return out
@@ -172,21 +171,21 @@ def check_like_twins(setting, after, twins):
 
 
 @pytest.mark.parametrize("bucket", [False, True], ids=["per_tensor", "bucket"])
-@pytest.mark.parametrize("use_kernels", [True, False], ids=["fused", "ops"])
+@pytest.mark.parametrize("engine", ["c", "ops"])
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_a_skipped_step_leaves_every_rank_as_if_no_exchange_happened(setting, backend,
-                                                                      use_kernels, bucket):
+                                                                      engine, bucket):
     for bad in ("a", "b"):
-        twins = {r: run(make(setting, backend, use_kernels), bad, ORDER, bucket,
+        twins = {r: run(make(setting, backend, engine), bad, ORDER, bucket,
                         twin_of=r) for r in range(N)}
         # the rest of the run from the twins' states: what the steps after must give
-        resumed = make(setting, backend, use_kernels)
+        resumed = make(setting, backend, engine)
         for r, c in enumerate(resumed):
             c.load_state_dict(twins[r][1][r])
         rest = run(resumed, bad, ORDER, bucket, start=SKIP + 1, w=twins[0][2])[3]
         for where in ("bad_first", "bad_last"):
-            after, _, _, history = run(make(setting, backend, use_kernels), bad,
+            after, _, _, history = run(make(setting, backend, engine), bad,
                                        order_for(bad, where), bucket)
             check_like_twins(setting, after, twins)
             if setting == "regions":
@@ -201,8 +200,8 @@ def test_a_skipped_step_leaves_every_rank_as_if_no_exchange_happened(setting, ba
 def test_without_skip_mode_the_finite_tensors_lose_what_they_sent(setting):
     """The test above can fail: without skip_nonfinite_steps the finite tensor's sent entries
     (and the weight decay buffer) are not put back, so the states differ from the twin's."""
-    twin = run(make(setting, "numpy", True), "a", ORDER, False, twin_of=0)[0][0]
-    after = run(make(setting, "numpy", True, skip=False), "a", ["c", "d", "e", "b", "a"],
+    twin = run(make(setting, "numpy", "auto"), "a", ORDER, False, twin_of=0)[0][0]
+    after = run(make(setting, "numpy", "auto", skip=False), "a", ["c", "d", "e", "b", "a"],
                 False)[0][0]
     bad = differing(after, twin)
     assert ("c", "v") in bad
@@ -219,7 +218,7 @@ def test_the_skipped_step_keeps_its_gradient_in_the_residual():
     """The twin's state is what the paper's accumulation gives with nothing sent: against a
     NumPy transcription (momentum correction u ← m·u + g, v ← v + u, §3.1; Nesterov off), up
     to float32 rounding (the core may fuse the multiply-add)."""
-    ranks = make("plain", "numpy", False)
+    ranks = make("plain", "numpy", "ops")
     w = {n: np.full(s, 0.25, F32) for n, s in SHAPES.items()}
     for t in range(SKIP):
         up = step(ranks, gradients(t), w, False, ORDER)

@@ -1,12 +1,15 @@
 """The TensorFlow adapter's in-graph path (dgc_horovod/tensorflow/graph.py, ``DGC(in_graph=True)``)
-against the eager core on the TensorFlow backend, bit for bit, for every option.
+against the eager core's reference engine (dgc_horovod/core/engine.py, ``engine="ops"``), bit
+for bit, for every option.
 
 Two simulated ranks run in this process, no launcher: each rank's :class:`GraphCore` traces its
 steps into one ``tf.function`` (the allgather is a concatenation in rank order, the dense
-allreduce a sum times 1/N), and each rank's eager :class:`DGCCore` (TFBackend) runs the same
-gradients through ``compress`` / ``decompress`` / ``apply_weight_decay`` as the adapter's
-``tf.py_function`` path does. Per step the payloads, the updates, every u, v and weight-decay
-buffer, the generator state and the statistics must be equal (NaN payloads and -0.0 included).
+allreduce a sum times 1/N), and each rank's eager :class:`DGCCore` with ``engine="ops"`` runs
+the same gradients through ``compress`` / ``decompress`` / ``apply_weight_decay`` as the
+adapter's ``tf.py_function`` path does: on the TensorFlow backend (whose norms, for clipping,
+are the graph's), and where nothing is clipped also on the NumPy backend (the reference of
+tests/test_conformance.py). Per step the payloads, the updates, every u, v and weight-decay
+buffer and the statistics must be equal (NaN payloads and -0.0 included).
 
 Grappler's arithmetic optimizer is off here: it may re-associate a sum of three tensors (the
 Nesterov weight-decay update) into an AddN in another order, which changes the last bit of a few
@@ -17,7 +20,7 @@ that under horovodrun with the optimizer on).
 import numpy as np
 import pytest
 
-from helpers import raw, to_np
+from helpers import raw, to_backend, to_np
 
 pytestmark = pytest.mark.adapter
 
@@ -43,6 +46,8 @@ CASES = {
     "int32_index": dict(wire_index="int32"),
     "float16_values": dict(wire_values="float16", _scale=[1.0, 1.0, 3e5, 1.0, 1e-9, 1.0]),
     "warmup_epochs": dict(warmup_epochs=2, _epochs=[0, 0, 1, 1, 2, 3]),
+    "warmup_epochs_per_step": dict(warmup_epochs=2, warmup_per_step=True,
+                                   _epochs=[0, 0.5, 1.25, 1.5, 1.75, 3]),
     "dense_density": dict(compress_ratio=0.6, warmup_steps=0),
     "sum": dict(_average=False),
     "ties": dict(compress_ratio=0.02, _ties=True),
@@ -66,7 +71,7 @@ def _no_reassociation():
 def _config(case, **more):
     from dgc_horovod.core import DGCConfig
     kw = {k: v for k, v in CASES[case].items() if not k.startswith("_")}
-    kw = dict(dict(compress_ratio=0.004, warmup_steps=2, seed=7), **kw, **more)
+    kw = dict(dict(compress_ratio=0.004, warmup_steps=2, seed=7, engine="ops"), **kw, **more)
     return DGCConfig(environ={}, **kw)
 
 
@@ -110,19 +115,22 @@ def _stats(s, graph=False):
 
 
 def _eager_step(cores, grads, params, average):
-    """One step of the eager core, as the adapter's tf.py_function path runs it."""
+    """One step of the eager core (on its backend), as the adapter's tf.py_function path runs
+    it."""
     import tensorflow as tf
     payloads, updates = [], [[None] * len(SHAPES) for _ in range(N)]
     results = []
     for r, core in enumerate(cores):
+        B = core.B
         clip = None
         if core.needs_clip_scale:   # the TF adapter hands the factor over as float32
-            clip = float(tf.constant(core.clip_scale([tf.constant(g) for g in grads[r]], N,
+            clip = float(tf.constant(core.clip_scale([to_backend(B, g) for g in grads[r]], N,
                                                      average), tf.float32))
         out = []
         for j, (name, _) in enumerate(SHAPES):
-            param = tf.constant(params[j]) if core.needs_param else None
-            out.append(core.compress(name, tf.constant(grads[r][j]), N, param, average, clip))
+            param = to_backend(B, params[j]) if core.needs_param else None
+            out.append(core.compress(name, to_backend(B, grads[r][j]), N, param, average,
+                                     clip))
         results.append(out)
     for j, (name, _) in enumerate(SHAPES):
         kinds = [results[r][j][0] for r in range(N)]
@@ -134,15 +142,15 @@ def _eager_step(cores, grads, params, average):
                 total = total * (1.0 / N)
         else:
             payloads.append([results[r][j][1] for r in range(N)])
-            gathered = tf.concat([results[r][j][1] for r in range(N)], 0)
+            gathered = cores[0].B.cat([results[r][j][1] for r in range(N)])
         for r, core in enumerate(cores):
             if kinds[0] == "dense":
                 update = core.B.float32_flat(total)
             else:
-                core.count_allgather(int(tf.size(gathered)), int(tf.size(results[r][j][1])))
+                core.count_allgather(core.B.numel(gathered), core.B.numel(results[r][j][1]))
                 update = core.decompress(gathered, results[r][j][2], N, average)
             if core.separate_weight_decay:
-                update = core.apply_weight_decay(name, update, tf.constant(params[j]))
+                update = core.apply_weight_decay(name, update, to_backend(core.B, params[j]))
             updates[r][j] = to_np(update)
     return payloads, updates
 
@@ -182,47 +190,60 @@ def test_graph_path_equals_eager_core_bit_for_bit(case):
     import tensorflow as tf
     from dgc_horovod.backends.tf_backend import TFBackend
     from dgc_horovod.core import DGCCore
+    from dgc_horovod.core.backend import NumpyBackend
     from dgc_horovod.tensorflow.graph import GraphCore
 
     config = _config(case)
     average = CASES[case].get("_average", True)
     epochs = CASES[case].get("_epochs")
     grads, params = _data(case)
-    eager = [DGCCore(config, TFBackend()) for _ in range(N)]
+    # the reference engine on TensorFlow's eager tensors and, without clipping (NumPy's norms
+    # differ from TensorFlow's in the last bit), on NumPy arrays
+    refs = [[DGCCore(config, B()) for _ in range(N)]
+            for B in ([TFBackend] + ([NumpyBackend] if config.clip_norm is None else []))]
     graph = [GraphCore(config, TFBackend()) for _ in range(N)]
     step_fn = _graph_fn(graph, average)
     p_tf = [tf.constant(p) for p in params]
     for t in range(STEPS):
         if epochs is not None:
-            for core in eager + graph:
+            for core in sum(refs, graph):
                 core.set_epoch(epochs[t])
-        e_payloads, e_updates = _eager_step(eager, grads[t], params, average)
         g_payloads, g_updates = step_fn([[tf.constant(g) for g in grads[t][r]]
                                           for r in range(N)], p_tf)
-        where = f"{case}, step {t}"
-        for a, b in zip(e_payloads, g_payloads):
+        for eager in refs:
+            e_payloads, e_updates = _eager_step(eager, grads[t], params, average)
+            where = f"{case}, step {t}, {eager[0].B.name}"
+            for a, b in zip(e_payloads, g_payloads):
+                for r in range(N):
+                    assert _same(a[r], b[r]), f"{where}: payload of rank {r} differs"
             for r in range(N):
-                assert _same(a[r], b[r]), f"{where}: payload of rank {r} differs"
-        for r in range(N):
-            for j, (name, _) in enumerate(SHAPES):
-                assert _same(e_updates[r][j], g_updates[r][j]), f"{where}: update {name} r{r}"
-            for name, st in eager[r].states.items():
-                gt = graph[r].states[name]
-                for attr in ("u", "v", "wd"):
-                    assert _same(getattr(st, attr), getattr(gt, attr)), \
-                        f"{where}: {attr} of {name} on rank {r}"
-            assert np.array_equal(to_np(eager[r]._generator.state),
-                                  to_np(graph[r]._generator.state)), f"{where}: generator"
-            assert eager[r].steps == graph[r].steps == t + 1
-            assert eager[r].density == graph[r].density
-            assert _stats(eager[r].step_stats) == _stats(graph[r].step_stats, True), where
-            assert _stats(eager[r].total_stats) == _stats(graph[r].total_stats, True), where
+                for j, (name, _) in enumerate(SHAPES):
+                    assert _same(e_updates[r][j], g_updates[r][j]), \
+                        f"{where}: update {name} r{r}"
+                for name, st in eager[r].states.items():
+                    gt = graph[r].states[name]
+                    for attr in ("u", "v", "wd"):
+                        assert _same(getattr(st, attr), getattr(gt, attr)), \
+                            f"{where}: {attr} of {name} on rank {r}"
+                assert eager[r].steps == graph[r].steps == t + 1
+                assert eager[r].density == graph[r].density
+                assert _stats(eager[r].step_stats) == _stats(graph[r].step_stats, True), where
+                assert _stats(eager[r].total_stats) == _stats(graph[r].total_stats, True), where
     # the step with NaN on one rank: nothing entered the state, every rank's update is NaN
     for core in graph:
         for st in core.states.values():
             for t_ in (st.u, st.v, st.wd):
                 assert t_ is None or np.isfinite(to_np(t_)).all()
     assert graph[0].total_stats.nonfinite_tensors >= 1
+
+
+def test_graph_momentum_without_the_fused_kernel_is_the_same(monkeypatch):
+    """Where TensorFlow sees a GPU, classic momentum correction runs as momentum_correction's
+    ops instead of ResourceApplyMomentum (graph.fused_momentum): the same bits, here on the
+    CPU."""
+    import dgc_horovod.tensorflow.graph as graph
+    monkeypatch.setattr(graph, "fused_momentum", lambda: False)
+    test_graph_path_equals_eager_core_bit_for_bit("default")
 
 
 def test_graph_checkpoint_round_trip_resumes_bit_for_bit():
@@ -289,8 +310,8 @@ def test_graph_checkpoint_of_another_model_is_refused_before_anything_changes():
     ("is truncated", lambda p: p[:-1]),
     ("unexpected trailing words", lambda p: np.concatenate([p, [0]])),
     # a zero (escape) token where the header counts one token per entry
-    ("index tokens that do not match", lambda p: np.concatenate([p[:5], [p[5] & ~0xFFFF],
-                                                                  p[6:]])),
+    ("index tokens that do not match", lambda p: np.concatenate([p[:6], [p[6] & ~0xFFFF],
+                                                                  p[7:]])),
 ])
 def test_graph_decode_names_the_tensor_and_what_is_wrong(what, mangle):
     import tensorflow as tf
@@ -480,7 +501,7 @@ def test_graph_float16_warning_counts_every_step():
         warnings.simplefilter("always")
         total = cores[0].total_stats.overflowed_entries
     assert total > 0
-    assert any("exceeded float16's range" in str(w.message) for w in seen), \
+    assert any("exceed float16's range" in str(w.message) for w in seen), \
         [str(w.message)[:80] for w in seen]
 
 
@@ -517,7 +538,7 @@ def test_graph_encode_and_decode_with_escapes_equal_the_eager_wire(positions):
     idx = tf.constant(positions, tf.int64)
     vals = tf.constant(np.arange(1, len(positions) + 1, dtype=np.float32))
     eager = to_np(wire.encode(B, n, idx, vals, 0, "delta16"))
-    graph = to_np(tf.function(lambda i, v: encode(n, i, v))(idx, vals))
+    graph = to_np(tf.function(lambda i, v: encode(n, i, v, len(positions)))(idx, vals))
     assert np.array_equal(eager, graph)
     gathered = tf.constant(np.concatenate([graph, graph]))
     dense, bad = tf.function(lambda g: decode_sum(g, n, tf.constant(2), "t"))(gathered)
@@ -526,27 +547,49 @@ def test_graph_encode_and_decode_with_escapes_equal_the_eager_wire(positions):
     assert np.array_equal(np.flatnonzero(to_np(dense)), positions)
 
 
-@pytest.mark.parametrize("static", [True, False], ids=["static-size", "dynamic-size"])
-@pytest.mark.parametrize("n, k, ties", [(1000, 10, False), (65536, 700, True),
-                                        (65537, 700, True), (300000, 3000, False),
-                                        (300000, 150000, True), (200000, 1, True)])
-def test_graph_top_k_ascending_is_top_k_sorted(n, k, ties, static):
-    """Both of top_k_ascending's ways (top-k sorted up to 65536 elements, the histogram beyond)
-    give tf.math.top_k's positions, ascending: among equal values the lower positions; chosen
-    at trace time for a static size (a whole tensor), by a tf.cond for a size known only when
-    the step runs (the candidates)."""
-    import tensorflow as tf
-    from dgc_horovod.tensorflow.graph import top_k_ascending
+def _select_cases():
+    """(name, v, density, exact) for test_graph_select_is_the_rule: each of the rule's ways
+    (normal, nan-inf and few take the lower level; all-equal has more candidates than the
+    cap)."""
+    rng = np.random.default_rng(2)
+    normal = rng.standard_normal(300000).astype(np.float32)
+    ties = (np.round(normal * 4) / 4).astype(np.float32)
+    odd = normal[:20000].copy()
+    odd[[5, 77, 1234]] = [np.nan, np.inf, -np.inf]
+    few = np.zeros(5000, np.float32)
+    few[rng.choice(5000, 7, replace=False)] = 1.5       # fewer non-zeros than k
+    return [("normal", normal, 0.001, False), ("ties", ties, 0.004, False),
+            ("ties-small", ties[:1000], 0.01, False), ("nan-inf", odd, 0.004, False),
+            ("few", few, 0.01, False),
+            ("all-equal", np.full(30000, 0.5, np.float32), 0.01, False),  # beyond the cap
+            ("exact", ties[:70000], 0.004, True), ("dense", ties[:1000], 0.6, False),
+            ("one", normal[:200000], 1e-9, False)]
 
-    rng = np.random.default_rng(n + k)
-    mag = np.abs(rng.standard_normal(n)).astype(np.float32)
-    if ties:        # a few distinct values: ties across the k-th largest
-        mag = np.round(mag * 4) / 4
-    spec = [tf.TensorSpec([n if static else None], tf.float32), tf.TensorSpec([], tf.int64)]
-    fn = tf.function(top_k_ascending, input_signature=spec)
-    got = to_np(fn(tf.constant(mag), tf.constant(k, tf.int64)))
-    want = np.sort(to_np(tf.math.top_k(tf.constant(mag), k, sorted=False).indices))
-    assert np.array_equal(got, want)
+
+@pytest.mark.parametrize("static", [True, False], ids=["static-size", "dynamic-size"])
+@pytest.mark.parametrize("case", [c[0] for c in _select_cases()])
+def test_graph_select_is_the_rule(case, static):
+    """graph.select (one graph, no host read) sends sparsify.select's positions on the NumPy
+    reference, for each of the rule's ways: sampled levels (upper, lower), ties to the lower
+    position, NaN/Inf, fewer candidates than k, more than the cap, no sampling (exact top-k,
+    k >= n/2), k = 1."""
+    import tensorflow as tf
+    from dgc_horovod.core import DGCConfig, sparsify
+    from dgc_horovod.core.backend import NumpyBackend
+    from dgc_horovod.tensorflow.graph import plan_row, select
+
+    _, v, density, exact = next(c for c in _select_cases() if c[0] == case)
+    n = v.size
+    config = DGCConfig(environ={}, exact_topk=exact)
+    p = sparsify.plan(n, density, config)
+    base = sparsify.sample_base(sparsify.seed_key(7), sparsify.tensor_key(case), 3)
+    want = sparsify.select(NumpyBackend(), v, p, base)
+    spec = [tf.TensorSpec([n if static else None], tf.float32), tf.TensorSpec([5], tf.int64),
+            tf.TensorSpec([], tf.int64)]
+    fn = tf.function(lambda v, plan, base: select(v, n, plan, base), input_signature=spec)
+    got = to_np(fn(tf.constant(v), tf.constant(plan_row(n, density, config), tf.int64),
+                   tf.constant(base, tf.int64)))
+    assert got.dtype == np.int64 and np.array_equal(got, want), (case, got.size, want.size)
 
 
 class _Allgather:
@@ -601,7 +644,7 @@ def _one_rank_fn(core, average, buckets):
 @pytest.mark.parametrize("case", sorted(CASES) + ["small_buckets"])
 def test_graph_buckets_equal_one_allgather_per_tensor_bit_for_bit(case, monkeypatch):
     """A bucket's members (GraphCore.bucket_ops: one framed allgather, decode_bucket) get the
-    updates, u, v, weight-decay buffers, generator state and statistics of one allgather per
+    updates, u, v, weight-decay buffers and statistics of one allgather per
     tensor, bit for bit, for every option of test_graph_path_equals_eager_core_bit_for_bit
     (NaN steps included); the statistics differ only by the framing: 12 bytes per bucket and
     step for its first member, 4 for each other, sent and received alike. ``small_buckets``:
@@ -641,7 +684,6 @@ def test_graph_buckets_equal_one_allgather_per_tensor_bit_for_bit(case, monkeypa
             for attr in ("u", "v", "wd"):
                 assert _same(getattr(st, attr), getattr(bucketed.states[name], attr)), \
                     f"{where}: {attr} of {name}"
-        assert np.array_equal(to_np(one._generator.state), to_np(bucketed._generator.state))
         want = _stats(one.step_stats)
         for k in ("wire_bytes", "received_bytes"):
             want[k] += framing if k == "wire_bytes" else framing * (N - 1)

@@ -31,7 +31,7 @@ from helpers import to_np
 NAME = "fuzz.layer3.weight"
 BUCKET = "dgc.bucket.fuzz"
 BACKENDS = {"numpy": NumpyBackend(), "torch": TorchBackend()}
-MAGIC, HEADER = 0x44474302, 5
+MAGIC, HEADER = 0x44474303, 6
 INT32 = st.integers(-2 ** 31, 2 ** 31 - 1)
 FORMATS = [(i, v) for i in ("int32", "delta16") for v in ("float32", "float16")]
 
@@ -69,13 +69,14 @@ def spec_decode(words, numel, ranks):
     for _ in range(ranks):
         if pos + HEADER > words.size:
             return None
-        magic, n, c, w3, t = (int(x) for x in words[pos:pos + HEADER])
+        magic, n, c, w3, t, k = (int(x) for x in words[pos:pos + HEADER])
         flags, icode, vcode = w3 & 0xFF, (w3 >> 8) & 0xFF, (w3 >> 16) & 0xFF
-        if magic != MAGIC or n != numel or not 0 <= c <= numel or w3 >> 24 or icode > 1 \
-                or vcode > 1 or t < c or (icode == 0 and t != c):
+        escapes = (numel - 1) // 65535                 # the most a delta16 section holds
+        if magic != MAGIC or n != numel or not 0 <= c <= k <= numel or w3 >> 24 or icode > 1 \
+                or vcode > 1 or t < c or (icode == 0 and t != c) or t > c + escapes:
             return None
-        iw = c if icode == 0 else math.ceil(t / 2)
-        vw = c if vcode == 0 else math.ceil(c / 2)
+        iw = k if icode == 0 else math.ceil((k + escapes) / 2)      # room for k entries
+        vw = k if vcode == 0 else math.ceil(k / 2)
         start, end = pos + HEADER, pos + HEADER + iw + vw
         if end > words.size:
             return None
@@ -84,7 +85,7 @@ def spec_decode(words, numel, ranks):
                 idx = [int(x) for x in words[start:start + c]]
             else:
                 idx, p = [], -1
-                for tok in words[start:start + iw].view(np.uint16)[:t]:
+                for tok in words[start:start + math.ceil(t / 2)].view(np.uint16)[:t]:
                     p += 65535 if tok == 0 else int(tok)
                     if tok:
                         idx.append(p)
@@ -92,7 +93,7 @@ def spec_decode(words, numel, ranks):
                     return None
             if not all(0 <= i < numel for i in idx):
                 return None
-            vwords = words[start + iw:end]
+            vwords = words[start + iw:start + iw + (c if vcode == 0 else math.ceil(c / 2))]
             vals = (vwords.view(np.float32) if vcode == 0
                     else vwords.view(np.float16).astype(np.float32))[:c]
             with np.errstate(all="ignore"):
@@ -131,14 +132,16 @@ def check_decode(B, words, numel, ranks):
 # ============================================================ strategies
 @st.composite
 def rank_payload(draw, numel):
-    """(indices, values, flags, index encoding, value dtype) of one rank's valid payload."""
+    """(indices, values, flags, index encoding, value dtype, room) of one rank's valid payload:
+    room for c to c + 3 entries (a payload of fixed size holds fewer than its room)."""
     index, values = draw(st.sampled_from(FORMATS))
     c = draw(st.integers(0, min(numel, 12)))
     idx = sorted(draw(st.lists(st.integers(0, numel - 1), min_size=c, max_size=c, unique=True)))
     vals = draw(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True),
                          min_size=c, max_size=c))
     flags = draw(st.sampled_from([0, 0, 0, wire.FLAG_NONFINITE]))
-    return (np.array(idx, np.int64), np.array(vals, np.float32), flags, index, values)
+    room = min(numel, c + draw(st.integers(0, 3)))
+    return (np.array(idx, np.int64), np.array(vals, np.float32), flags, index, values, room)
 
 
 def encode(numel, parts):
@@ -148,7 +151,7 @@ def encode(numel, parts):
 def expected(numel, parts):
     dense, overflow = np.zeros(numel, np.float32), False
     with np.errstate(all="ignore"):
-        for idx, vals, _, _, values in parts:
+        for idx, vals, _, _, values, _ in parts:
             sent = vals.astype(np.float16).astype(np.float32) if values == "float16" else vals
             overflow |= values == "float16" and not bool(np.isfinite(sent).all())
             for i, v in zip(idx, sent):
@@ -187,7 +190,7 @@ def mutate(draw, words):
             words[draw(st.integers(0, n - 1))] = draw(INT32)
         elif op == "header" and n:
             # a header word of some payload: a plausible small value or any int32
-            i = draw(st.integers(0, min(n - 1, 4)))
+            i = draw(st.integers(0, min(n - 1, HEADER - 1)))
             starts = [j for j in range(n) if words[j] == MAGIC] or [0]
             at = min(n - 1, draw(st.sampled_from(starts)) + i)
             words[at] = draw(st.one_of(st.integers(-3, 70000), INT32))
@@ -210,7 +213,8 @@ def random_header_words(draw):
                   draw(st.one_of(st.integers(-2, numel + 2), INT32)),
                   draw(st.one_of(st.sampled_from([0, 1, 1 << 8, 1 << 16, (1 << 8) | (1 << 16),
                                                   2 << 8, 2 << 16, 1 << 24]), INT32)),
-                  draw(st.one_of(st.integers(-2, 2 * numel + 2), INT32))]
+                  draw(st.one_of(st.integers(-2, 2 * numel + 2), INT32)),
+                  draw(st.one_of(st.integers(-2, numel + 2), INT32))]
         words += draw(st.lists(st.one_of(st.integers(-2, 2 * numel), INT32), max_size=2 * numel))
     return numel, ranks, np.array(words, np.int64).astype(np.int32)
 
@@ -296,7 +300,7 @@ def test_escape_gap_payload_round_trips():
     """The largest gap a single escape covers, then one more (delta16 token 0 then 1)."""
     numel = 3 * 65536
     parts = [(np.array([0, 65536, 2 * 65536 + 1], np.int64), np.array([1, 2, 3], np.float32), 0,
-              "delta16", "float32")]
+              "delta16", "float32", 3)]
     words = np.concatenate(encode(numel, parts))
     got = check_decode(BACKENDS["numpy"], words, numel, 1)
     np.testing.assert_array_equal(got[0], expected(numel, parts)[0])

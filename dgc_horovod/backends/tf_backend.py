@@ -76,13 +76,6 @@ class TFBackend(Backend):
         return tf.cast(tf.math.top_k(tf.convert_to_tensor(x), k, sorted=False).indices, tf.int64)
 
     def kth_largest(self, x, k): return tf.math.top_k(x, k, sorted=True).values[k - 1]
-
-    def sample(self, x, s, generator):
-        # sparsify.sample_positions: floor(u * n), at most n - 1, for s float64 uniforms u
-        n = int(tf.size(x))
-        u = generator.uniform([s], dtype=tf.float64)
-        return tf.gather(x, tf.minimum(tf.cast(u * float(n), tf.int64), n - 1))
-
     def indices_where_ge(self, x, t): return tf.reshape(tf.where(x >= t), [-1])
     def drop_zeros(self, idx, mag): return tf.boolean_mask(idx, mag > 0)
     def take(self, x, idx): return tf.gather(x, idx)
@@ -102,7 +95,6 @@ class TFBackend(Backend):
     def slice(self, x, a, b): return x[a:b]
     def to_list(self, x): return [int(i) for i in x.numpy()]
     def min_max(self, x): return int(tf.reduce_min(x)), int(tf.reduce_max(x))
-    def generator(self, seed): return tf.random.Generator.from_seed(seed)
 
     def sort(self, idx): return tf.sort(idx)
     def int64_tensor(self, values, like=None): return tf.constant(values, tf.int64)
@@ -123,49 +115,11 @@ class TFBackend(Backend):
     def to_fp16_and_back(self, x): return tf.cast(tf.cast(x, tf.float16), tf.float32)
 
     def state_copy(self, x): return tf.identity(tf.convert_to_tensor(x))
-    def generator_state(self, generator): return tf.identity(generator.state)
-    def set_generator_state(self, generator, state): generator.reset(state)
 
-    # --- buckets on tensor ops (dgc_horovod.core.bucket_ops); the state is in tf.Variables,
-    #     which have no views: the bucket path copies it into flat buffers and back
-    def flat_cat(self, xs, block=1, reuse=False):
-        parts = []
-        for x in xs:
-            parts.append(tf.reshape(tf.cast(x, tf.float32), [-1]))
-            pad = -int(tf.size(x)) % block
-            if pad:
-                parts.append(tf.zeros([pad], tf.float32))
-        return tf.concat(parts, 0)
-
+    # the state is in tf.Variables, which have no views of a flat buffer: the engines that work
+    # on a bucket's flat state (C, Triton) never run here
     def flat_views(self, flat, offsets, sizes): return None
-
-    def block_max_abs(self, x, block):
-        x = tf.reshape(tf.convert_to_tensor(x), [-1, block])
-        nan = tf.math.is_nan(x)
-        m = tf.reduce_max(tf.where(nan, tf.zeros_like(x), tf.abs(x)), axis=1)
-        return tf.where(tf.reduce_any(nan, axis=1), tf.constant(float("nan"), tf.float32), m)
-
-    def take_blocks(self, x, blocks, block):
-        return tf.reshape(tf.gather(tf.reshape(tf.convert_to_tensor(x), [-1, block]), blocks),
-                          [-1])
 
     def copy_(self, x, y): x.assign(tf.reshape(tf.convert_to_tensor(y), [-1]))
     def arange(self, n, like=None): return tf.range(n, dtype=tf.int64)
     def to_int64(self, x): return tf.cast(x, tf.int64)
-    def repeat(self, x, counts): return tf.repeat(tf.convert_to_tensor(x), counts)
-    def repeat_each(self, x, n): return tf.repeat(tf.convert_to_tensor(x), n)
-
-    def searchsorted(self, a, x):
-        return tf.cast(tf.searchsorted(a, x, side="left"), tf.int64)
-
-    def sample_uniform(self, s, generator, out=None):
-        return generator.uniform([s], dtype=tf.float64)
-
-    def sample_uniform_many(self, counts, generator, like=None):
-        # one call per tensor, as sample() draws (a draw of the sum is not the same values)
-        return tf.concat([generator.uniform([s], dtype=tf.float64) for s in counts], 0)
-
-    def sample_positions_many(self, u, sizes, counts, offsets, like=None):
-        n = tf.repeat(tf.constant(sizes, tf.float64), counts)
-        return (tf.minimum(tf.cast(u * n, tf.int64), tf.cast(n, tf.int64) - 1)
-                + tf.repeat(tf.constant(offsets, tf.int64), counts))

@@ -16,7 +16,6 @@ class TorchBackend(Backend):
 
     def __init__(self):
         self._buffers = {}      # (device, dtype, slot) -> scratch tensor, grown on demand
-        self._fma = _UNKNOWN    # kernel_fma(), probed on first use
 
     def numel(self, x): return x.numel()
     def ndim(self, x): return x.dim()
@@ -31,10 +30,9 @@ class TorchBackend(Backend):
         return x if x.dtype is torch.float32 else x.to(torch.float32)
 
     def scale_add_(self, x, a, y, b):
-        if b == 1.0:
-            torch.add(y, x, alpha=a, out=x)                 # one pass: x = y + a*x
-        else:
-            x.mul_(a).add_(y, alpha=b)
+        # a·x and b·y each rounded to float32, then their sum (the engine contract's arithmetic:
+        # torch's add with alpha may round a·x + y once, a fused multiply-add)
+        x.mul_(a).add_(y if b == 1.0 else y * b)
 
     def is_floating(self, x): return isinstance(x, torch.Tensor) and x.is_floating_point()
 
@@ -47,7 +45,7 @@ class TorchBackend(Backend):
         return math.isfinite(x.sum().item())
     def norm(self, x): return torch.linalg.vector_norm(x)
     def mul_(self, x, a): x.mul_(a)
-    def add_(self, x, y, alpha=1.0): x.add_(y, alpha=alpha)
+    def add_(self, x, y, alpha=1.0): x.add_(y if alpha == 1.0 else y * alpha)  # (see scale_add_)
     def abs(self, x):
         # into a scratch buffer reused by the next abs() call: a fresh allocation of a large
         # tensor costs several times the pass itself (page faults)
@@ -55,11 +53,6 @@ class TorchBackend(Backend):
     def topk_indices(self, x, k): return torch.topk(x, k, sorted=False).indices
     def kth_largest(self, x, k): return torch.kthvalue(x, x.numel() - k + 1).values
 
-    def sample(self, x, s, generator):
-        # sparsify.sample_positions: floor(u * n), at most n - 1, for s float64 uniforms u
-        n = x.numel()
-        u = self.sample_uniform(s, generator)
-        return x[u.mul_(n).long().clamp_(max=n - 1).to(x.device)]
 
     def indices_where_ge(self, x, t):
         if x.is_cpu and not x.requires_grad:
@@ -98,7 +91,6 @@ class TorchBackend(Backend):
         lo, hi = torch.aminmax(x)
         return int(lo), int(hi)
 
-    def generator(self, seed): return torch.Generator().manual_seed(seed)
 
     def sort(self, idx):
         if idx.is_cpu and not idx.requires_grad:  # NumPy's sort: ~30x faster than torch.sort on
@@ -141,10 +133,25 @@ class TorchBackend(Backend):
     def to_fp16_and_back(self, x): return x.to(torch.float16).to(torch.float32)
 
     def state_copy(self, x): return x.detach().clone()
-    def generator_state(self, generator): return generator.get_state()     # a new ByteTensor
-    def set_generator_state(self, generator, state): generator.set_state(state.cpu())
 
-    # --- fused CPU kernels (dgc_horovod.core.kernels)
+    def device_name(self, x): return str(x.device)
+
+    def device_engine(self, like, required=False):
+        # the Triton engine (dgc_horovod.backends.triton_engine): Triton ships with PyTorch's
+        # CUDA builds; on CPU tensors it runs under its interpreter (TRITON_INTERPRET=1)
+        if not (like.is_cuda or required):
+            return None
+        try:
+            from dgc_horovod.backends.triton_engine import TritonEngine, check_usable
+        except ImportError as e:
+            if required:
+                raise ValueError(f"DGC(engine='triton') needs Triton: {e}") from e
+            return None
+        if not check_usable(like, required):
+            return None
+        return TritonEngine(self)
+
+    # --- the C engine (dgc_horovod.core.c_engine)
     _DTYPES = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32,
                "float64": torch.float64}
 
@@ -163,29 +170,13 @@ class TorchBackend(Backend):
             return x.data_ptr()
         return None
 
-    def kernel_fma(self):
-        # whether torch's CPU add-with-alpha rounds once (vectorised fmadd, e.g. AVX2/AVX-512
-        # builds) or twice: probed once, against the kernel itself
-        if self._fma is _UNKNOWN:
-            from dgc_horovod.core import kernels
-            gen = torch.Generator().manual_seed(1234)
-            self._fma = kernels.calibrate(self, torch.randn(4099, generator=gen),
-                                          torch.randn(4099, generator=gen))
-        return self._fma
-
-    def sample_uniform(self, s, generator, out=None):
-        # the uniforms sample() draws (uniform_ into a buffer draws the same values as rand)
-        if out is not None:                  # (a float64 buffer of s entries)
-            return out.uniform_(generator=generator)
-        return torch.rand(s, dtype=torch.float64, generator=generator)
-
     def empty(self, n, dtype, like): return torch.empty(n, dtype=self._DTYPES[dtype],
                                                         device=like.device)
     def copy(self, x): return x.clone()
     def kernel_threads(self): return torch.get_num_threads()    # torch's intra-op threads
     def split(self, x, sizes): return torch.split(x, sizes)
 
-    # --- buckets on tensor ops (dgc_horovod.core.bucket_ops)
+    # --- a bucket's flat state (dgc_horovod.core.engine.FlatState)
     def flat_cat(self, xs, block=1, reuse=False):
         # reuse: into a scratch buffer reused by the next such call (see abs())
         parts, zeros, n = [], None, 0
@@ -201,53 +192,7 @@ class TorchBackend(Backend):
             return torch.cat(parts).to(torch.float32)
         return torch.cat(parts, out=self._scratch(parts[0], torch.float32, 2, n))
 
-    def take_blocks(self, x, blocks, block):
-        return x.view(-1, block).index_select(0, blocks).view(-1)
-
-    def block_candidates(self, x, blocks, t, block):
-        if not (x.is_cpu and not x.requires_grad):
-            return super().block_candidates(x, blocks, t, block)
-        # NumPy on CPU: the blocks gathered, |x| in place, one comparison with each block's
-        # threshold broadcast over it (no repeated thresholds), flatnonzero (see
-        # indices_where_ge)
-        blocks = blocks.numpy()
-        mag = np.take(x.numpy().reshape(-1, block), blocks, axis=0)
-        np.abs(mag, out=mag)
-        at = np.flatnonzero(np.greater_equal(mag, t.numpy()[:, None]))
-        pos = blocks[at // block] * block + at % block
-        return torch.from_numpy(pos), torch.from_numpy(mag.reshape(-1)[at])
-
-    def block_max_abs(self, x, block):
-        x = x.view(-1, block)                # amax and amin: ~4x faster than aminmax on CPU
-        return torch.maximum(x.amax(1), x.amin(1).neg_())    # NaN propagates
-
     def copy_(self, x, y): x.copy_(y)
     def arange(self, n, like): return torch.arange(n, dtype=torch.int64, device=like.device)
     def to_int64(self, x): return x.to(torch.int64)
 
-    def repeat(self, x, counts):
-        if x.is_cpu and not x.requires_grad:        # NumPy's repeat: 10-20x faster on CPU
-            return torch.from_numpy(np.repeat(x.numpy(), counts))
-        # one kernel (the output's size given: no device-to-host sync)
-        return torch.repeat_interleave(x, torch.tensor(counts, dtype=torch.int64,
-                                                       device=x.device), output_size=sum(counts))
-
-    def repeat_each(self, x, n): return x.unsqueeze(1).expand(-1, n).reshape(-1)
-    def searchsorted(self, a, x): return torch.searchsorted(a, x)
-
-    def sample_positions_many(self, u, sizes, counts, offsets, like):
-        # as sample(): floor(u * n) in float64, at most n - 1, per tensor, plus its offset
-        if like.is_cpu:                             # NumPy's repeat (see repeat())
-            n = np.repeat(np.asarray(sizes, dtype=np.float64), counts)
-            pos = np.multiply(u.numpy(), n).astype(np.int64)
-            np.minimum(pos, n.astype(np.int64) - 1, out=pos)
-            pos += np.repeat(np.asarray(offsets, dtype=np.int64), counts)
-            return torch.from_numpy(pos)
-        counts = torch.tensor(counts, dtype=torch.int64)
-        n = torch.repeat_interleave(torch.tensor(sizes, dtype=torch.float64), counts)
-        pos = torch.minimum((u * n).long(), n.long() - 1)
-        pos += torch.repeat_interleave(torch.tensor(offsets, dtype=torch.int64), counts)
-        return pos.to(like.device)
-
-
-_UNKNOWN = object()

@@ -1,97 +1,128 @@
-/* Fused CPU kernels of DGC's compress step (dgc_horovod.core.kernels is the Python side).
+/* The C engine of DGC: the steps of dgc_horovod/core/engine.py on host memory, one call per
+ * bucket, bit for bit what the reference engine (engine.OpsEngine) gives. Its Python side is
+ * dgc_horovod/core/c_engine.py, which hands over raw addresses (numpy's ctypes.data, torch's
+ * data_ptr()), so the core stays free of any framework import.
  *
- * Plain C on raw pointers handed over by a backend (torch.Tensor.data_ptr(), ndarray.ctypes.data),
- * so the core stays free of any framework import. Every function mirrors, operation by operation,
- * what the backend's tensor ops compute (dgc_horovod/core/accumulate.py and sparsify.py), so both
- * paths give bit-identical state and selections:
+ * Entry points (pointers are addresses as Python ints; every array is contiguous):
+ *   configure(constants)  the format's and the rule's constants, by name (a dict built by
+ *       c_engine.py from wire.py and sparsify.py at import): nothing of them is written here.
+ *   compress(rows, nrows, scales, u, v, nflat, m, mode, masking, delta16, fp16,
+ *            payload, nwords, sel, vals, usent, nentries, threads)
+ *       a bucket's steps 1-6 (engine.py's docstring) for nrows segments of the flat float32
+ *       buffers u (0 with momentum 0) and v of nflat elements; rows: int64, NR fields per
+ *       segment (R_* below: the Step's sizes, and the outputs count, finite, the float16 counts
+ *       and dropped), scales: float64 clipping factors. Writes every word of payload[nwords]
+ *       and every entry of sel (int64) / vals / usent (float32, usent 0 without masking).
+ *   decode(words, total, numel, ranks, out, scale, inv) -> 0, 1 (non-finite) or -1 (malformed)
+ *       OpsEngine.decode: the ranks' payloads checked as wire.read_payload checks them, out
+ *       zeroed, every rank's entries added in rank order, the sent positions times (float)inv.
+ *   split_bucket(words, total, ranks, members, spans) -> entries, or -1 (malformed)
+ *       wire.split_bucket's walk: (member, start, words) per payload into int64 spans.
+ *   BLOCK  (module constant) engine.BLOCK as compiled here; c_engine.py refuses another.
  *
- *   - built with -O3 -ffp-contract=off: a*b + c is never contracted behind our back;
- *   - `fma` chooses fmaf(a, b, c) (one rounding, what PyTorch's vectorised add-with-alpha computes
- *     on CPUs with FMA) or round(round(a*b) + c) (NumPy), as the backend reports;
- *   - the threshold is the exact ks-th largest sampled magnitude (any selection algorithm gives
- *     the same value), candidates come out in ascending position order (as torch.nonzero).
- *
- * Functions (all pointers are addresses as Python ints; arrays are contiguous):
- *   all_finite(x, n[, threads]) -> bool                    float32 x[n] has no NaN/Inf
- *   step(g, u, v, n, mode, fma, m, s, uni, npos, ks, cidx, cmag, cap[, threads, k, out])
- *         -> (threshold, count, selected)
- *       1. momentum correction of accumulate.momentum_correction in place, one pass over g, u, v
- *          (mode 0: m = 0, 1: classic, 2: Nesterov; u is 0 for mode 0; s the clipping scale),
- *          recording the largest |v| of every 64-element block;
- *       2. with npos > 0: threshold = the ks-th largest |v| over the sampled positions
- *          min(floor(uni[j] * n), n - 1) of the float64 uniform draws uni[npos] in [0, 1);
- *          the positions with |v| >= threshold (only blocks whose maximum reaches it are read
- *          again) go to cidx (int64) and their magnitudes to cmag (float32), ascending, at most
- *          cap of them; count is the full number of candidates (count > cap: the caller rescans);
- *       3. with k > 0 and out: the top-k of the candidates, ascending, into out[k] when that set
- *          is unique (no tie at the k-th largest), or all candidates when k/2 <= count <= k;
- *          selected = how many were written, -1 when the caller must select (ties, too few,
- *          threshold 0).
- *       Large tensors are split over up to `threads` threads (one per 65,536 elements).
- *   finish(idx, c, v, u, mask_u, sort, vals, usent, payload, cap_words, numel, flags) -> words
- *       optionally sorts idx[c] (int64, unique) ascending in place, gathers vals = v[idx] and
- *       usent = u[idx] (usent may be 0), clears v[idx] (and u[idx] with mask_u), and writes the
- *       DGC v2 payload (wire.py: int32 or delta16 indices by `sort`, float32 values) to the int32
- *       buffer payload[cap_words]; returns the number of words written.
- *   decode_sum(words, total, numel, ranks, out, mode[, inv]) -> done
- *       the receive side (wire.decode_sum, DGCCore.decompress): checks the `ranks` payloads in
- *       the int32 words[total] as wire.read_payload does and, mode bits 1 / 2 / 4, zeroes
- *       float32 out[numel], adds every rank's entries in rank order (out[i] + value), then
- *       multiplies each sent position once by (float)inv. done False: out untouched, the
- *       caller runs the tensor-op reference (a malformed payload, a non-finite flag or value).
- *   split_bucket(words, total, ranks, members, spans, cap) -> entries
- *       wire.split_bucket's walk: (member, start, words) of every payload in an allgathered
- *       bucket into the int64 spans[3 * cap]; -1: the caller runs the reference (it raises).
+ * Built with -O3 -ffp-contract=off: every product and sum is rounded to float32 on its own, as
+ * the contract says (accumulate.momentum_correction). Work is spread over a persistent pool of
+ * threads; results do not depend on the number of threads.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#define X86 1
 #endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define BLOCK 64                      /* elements per block of the fused pass */
-#define MAGIC_V2 0x44474302u
-#define BUCKET_MAGIC 0x44474342u
-#define ESCAPE 65535
+/* engine.BLOCK: the segments start at multiples of it and the update records the largest
+ * magnitude of every block. A compile-time constant so that the block loops vectorise. */
+#define BLOCK 64
 
 typedef int64_t i64;
+typedef uint32_t u32;
 
-ALWAYS_INLINE uint32_t absbits(float x) { uint32_t b; memcpy(&b, &x, 4); return b & 0x7fffffffu; }
+/* ---- the constants of wire.py and sparsify.py (configure) ------------------------------- */
+static struct {
+    u32 MAGIC_V3, BUCKET_MAGIC, HEADER_WORDS, ESCAPE, FLAG_NONFINITE, INDEX_CODES, INDEX_INT32,
+        INDEX_DELTA16, VALUE_CODES, VALUES_FP32, VALUES_FP16, MIX_M1, MIX_M2, GOLDEN, MIN_BITS;
+} K;
+static int configured;
+#define CONSTANT(name) {#name, &K.name}
+static const struct { const char *name; u32 *at; } CONSTANTS[] = {
+    CONSTANT(MAGIC_V3), CONSTANT(BUCKET_MAGIC), CONSTANT(HEADER_WORDS), CONSTANT(ESCAPE),
+    CONSTANT(FLAG_NONFINITE), CONSTANT(INDEX_CODES), CONSTANT(INDEX_INT32),
+    CONSTANT(INDEX_DELTA16), CONSTANT(VALUE_CODES), CONSTANT(VALUES_FP32), CONSTANT(VALUES_FP16),
+    CONSTANT(MIX_M1), CONSTANT(MIX_M2), CONSTANT(GOLDEN), CONSTANT(MIN_BITS)};
+#define NCONSTANTS (sizeof CONSTANTS / sizeof CONSTANTS[0])
+/* word 3 of a payload: flags | index encoding << 8 | value dtype << 16 (wire.py's docstring) */
+#define WORD3(flags, icode, vcode) ((u32)(flags) | (u32)(icode) << 8 | (u32)(vcode) << 16)
 
-ALWAYS_INLINE float mad(float a, float b, float c, const int fma) {
-    return fma ? fmaf(a, b, c) : a * b + c;
+/* ---- small rules -------------------------------------------------------------------------- */
+ALWAYS_INLINE u32 bits_of(float x) { u32 b; memcpy(&b, &x, 4); return b; }
+ALWAYS_INLINE float float_of(u32 b) { float x; memcpy(&x, &b, 4); return x; }
+/* sparsify.magnitude_bits: |x| as its bits (non-negative floats order as their bits, NaN above
+ * +inf) */
+ALWAYS_INLINE u32 mag(float x) { return bits_of(x) & 0x7fffffffu; }
+
+/* sparsify.mix32 (the lowbias32 hash) and sparsify.sample_positions' i-th position */
+ALWAYS_INLINE u32 mix32(u32 x) {
+    x ^= x >> 16; x *= K.MIX_M1; x ^= x >> 15; x *= K.MIX_M2; return x ^ (x >> 16);
+}
+ALWAYS_INLINE i64 sample_position(u32 base, i64 i, i64 n) {
+    return (i64)(((uint64_t)mix32(base + (u32)i * K.GOLDEN) * (uint64_t)n) >> 32);
 }
 
-/* One element of accumulate.momentum_correction: reads g, *u, *v, returns the new u and v.
- * unit: the scale s is 1.0 (the backends then take a one-pass form, see backend.scale_add_). */
-ALWAYS_INLINE void update(const int mode, const int fma, const int unit, float m, float s,
-                          float g, float u, float v, float *un, float *vn) {
-    if (mode == 0) { *un = u; *vn = unit ? v + g : mad(s, g, v, fma); return; }
-    float nu = unit ? mad(m, u, g, fma) : mad(s, g, m * u, fma);
-    float nv;
-    if (mode == 1) nv = v + nu;
-    else { nv = unit ? v + g : mad(s, g, v, fma); nv = mad(m, nu, nv, fma); }
-    *un = nu; *vn = nv;
+/* float32 -> float16 bits as NumPy's cast (precision.round_to_fp16, wire's float16 values):
+ * round to nearest even, subnormals, ±inf from 65520 on, NaN keeps its top payload bits. */
+static uint16_t to_half(u32 f) {
+    const u32 sign = (f >> 16) & 0x8000u, a = f & 0x7fffffffu;
+    if (a > 0x7f800000u) {                                   /* NaN, still a NaN */
+        u32 h = 0x7c00u | ((a & 0x7fffffu) >> 13);
+        return (uint16_t)(sign | (h == 0x7c00u ? 0x7c01u : h));
+    }
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* rounds beyond 65504 */
+    u32 q, rem, half;
+    if (a >= 0x38800000u) {                                  /* a normal float16 */
+        const u32 r = a - 0x38000000u;                       /* exponent bias 127 -> 15 */
+        q = r >> 13; rem = r & 0x1fffu; half = 0x1000u;
+    } else if (a >= 0x33000000u) {                           /* a float16 subnormal (or 2**-14) */
+        const u32 e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, sh = 126 - e;
+        q = m >> sh; rem = m & ((1u << sh) - 1); half = 1u << (sh - 1);
+    } else {
+        return (uint16_t)sign;                               /* at most 2**-25: zero */
+    }
+    if (rem > half || (rem == half && (q & 1))) q++;        /* a carry makes the next binade */
+    return (uint16_t)(sign | q);
 }
 
-/* k-th largest (1-based) of a[0..n): quickselect, a is reordered. */
-static float kth_largest(float *a, i64 n, i64 k) {
-    i64 lo = 0, hi = n - 1, want = k - 1;          /* index in descending order */
+/* float16 bits -> float32, exact */
+static float from_half(u32 h) {
+    const u32 sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 31) return float_of(sign | 0x7f800000u | (m << 13));
+    if (e) return float_of(sign | ((e + 112) << 23) | (m << 13));
+    if (!m) return float_of(sign);
+    int sh = 0;                                              /* subnormal: normalise m */
+    u32 mm = m;
+    while (!(mm & 0x400u)) { mm <<= 1; sh++; }
+    return float_of(sign | ((u32)(113 - sh) << 23) | ((mm & 0x3ffu) << 13));
+}
+
+/* The k-th largest (1-based) of a[0..n): quickselect, reorders a so that a[0..k-1) >= a[k-1] >=
+ * a[k..n). */
+static u32 kth_largest(u32 *a, i64 n, i64 k) {
+    i64 lo = 0, hi = n - 1;
+    const i64 want = k - 1;
     while (lo < hi) {
-        i64 mid = lo + (hi - lo) / 2;
-        float x = a[lo], y = a[mid], z = a[hi], p;  /* median of three as pivot */
-        p = (x > y) ? ((y > z) ? y : (x > z ? z : x)) : ((x > z) ? x : (y > z ? z : y));
+        const i64 mid = lo + (hi - lo) / 2;
+        const u32 x = a[lo], y = a[mid], z = a[hi];
+        const u32 p = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
         i64 i = lo, j = hi;
-        while (i <= j) {                            /* Hoare partition, descending */
+        while (i <= j) {                                     /* Hoare partition, descending */
             while (a[i] > p) i++;
             while (a[j] < p) j--;
-            if (i <= j) { float t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+            if (i <= j) { const u32 t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
         }
         if (want <= j) hi = j;
         else if (want >= i) lo = i;
@@ -100,12 +131,38 @@ static float kth_largest(float *a, i64 n, i64 k) {
     return a[want];
 }
 
-/* Grow-only per-thread scratch (the kernels release the GIL, so calls may run concurrently):
- * block maxima and sampled magnitudes of the per-tensor path (n/64 + s values for a tensor of
- * n elements with s samples) and the candidates' magnitudes of a top-k among candidates. */
+/* The k-th largest of a[0..n) for k much smaller than n: a min-heap of the k largest seen, in
+ * a[0..k) (most values are below its root and cost one comparison); returns its root. */
+static u32 top_heap(u32 *a, i64 n, i64 k) {
+    for (i64 i = 1; i < k; i++)                               /* a[0..k) made a min-heap */
+        for (i64 c = i; c > 0 && a[(c - 1) / 2] > a[c]; c = (c - 1) / 2) {
+            const u32 t = a[c]; a[c] = a[(c - 1) / 2]; a[(c - 1) / 2] = t;
+        }
+    for (i64 i = k; i < n; i++) {
+        const u32 x = a[i];
+        if (x <= a[0]) continue;
+        a[i] = a[0];                                          /* (a[k..n) keeps every value) */
+        i64 p = 0;
+        for (;;) {                                            /* x sifted down from the root */
+            i64 c = 2 * p + 1;
+            if (c >= k) break;
+            if (c + 1 < k && a[c + 1] < a[c]) c++;
+            if (a[c] >= x) break;
+            a[p] = a[c];
+            p = c;
+        }
+        a[p] = x;
+    }
+    return a[0];
+}
+
+/* Grow-only per-thread buffers (the pool's workers and every calling thread have their own):
+ * slots 0-2 for a segment's selection (the candidates' positions and magnitudes, a copy of the
+ * magnitudes to select in), slot 3 for the calling thread's buffers of a bucket. */
 static void *scratch(int slot, size_t bytes) {
-    static __thread void *buf[2];
-    static __thread size_t cap[2];
+    static __thread void *buf[4];
+    static __thread size_t cap[4];
+    bytes = bytes ? bytes : 1;
     if (bytes > cap[slot]) {
         void *p = realloc(buf[slot], bytes);
         if (!p) return NULL;
@@ -115,126 +172,124 @@ static void *scratch(int slot, size_t bytes) {
     return buf[slot];
 }
 
-/* ---- the passes, each over a range, specialised on (mode, fma, unit) by constant arguments */
-typedef struct {
-    const float *g; float *u, *v; i64 n, b0, b1; float m, s; uint32_t *bmax;
-    int mode, fma, unit;
-    const double *uni; i64 j0, j1; float *smp;      /* the sample gather */
-    const float *x; i64 i0, i1; int ok;             /* the finiteness check */
-} job_t;
+/* ---- the passes over memory, each compiled twice: plain, and for AVX2 (chosen at run time) */
 
-/* 1. the update of blocks [b0, b1); records each block's largest |v_new| in bmax (as IEEE bits,
- *    whose integer order is the order of non-negative floats) */
-ALWAYS_INLINE void update_body(const int mode, const int fma, const int unit, job_t *j) {
-    const float *restrict g = j->g;
-    float *restrict u = j->u;
-    float *restrict v = j->v;
-    const float m = j->m, s = j->s;
-    for (i64 b = j->b0; b < j->b1; b++) {
-        const i64 i0 = b * BLOCK, len = (j->n - i0 < BLOCK) ? j->n - i0 : BLOCK;
+/* Step 1, check: whether g[lo..hi) holds no NaN/Inf */
+ALWAYS_INLINE int finite_body(const float *restrict g, i64 lo, i64 hi) {
+    u32 mx = 0;
+    for (i64 i = lo; i < hi; i++) { const u32 b = mag(g[i]); mx = b > mx ? b : mx; }
+    return mx < 0x7f800000u;
+}
+
+/* Step 2, accumulate (accumulate.momentum_correction), over the blocks [b0, b1) of a segment of
+ * n elements, each product and sum rounded on its own; records each block's largest magnitude
+ * of the new v in bmax[b] (which step 3 uses to skip the blocks that cannot reach a level).
+ * mode 0: v ← v + s·g;  1: u ← m·u + s·g, v ← v + u;  2 (Nesterov): v ← (v + s·g) + m·u. */
+ALWAYS_INLINE void update_body(const int mode, const float *restrict g, float *restrict u,
+                               float *restrict v, i64 n, i64 b0, i64 b1, float m, float s,
+                               u32 *restrict bmax) {
+    for (i64 b = b0; b < b1; b++) {
+        const i64 i0 = b * BLOCK, len = n - i0 < BLOCK ? n - i0 : BLOCK;
         const float *restrict gb = g + i0;
         float *restrict vb = v + i0;
-        uint32_t mx = 0;
-        /* (mode is a constant in every instantiation: each branch is a plain loop that the
-         *  compiler vectorises; a conditional load of u in one loop would stop it) */
+        u32 mx = 0;
+        /* (mode is a constant in each instantiation: each branch is a plain loop that the
+         *  compiler vectorises) */
         if (mode == 0) {
             for (i64 i = 0; i < len; i++) {
-                float nu, nv;
-                update(0, fma, unit, m, s, gb[i], 0.0f, vb[i], &nu, &nv);
+                const float nv = vb[i] + s * gb[i];
                 vb[i] = nv;
-                uint32_t bits = absbits(nv);
-                mx = bits > mx ? bits : mx;
+                const u32 a = mag(nv); mx = a > mx ? a : mx;
+            }
+        } else if (mode == 1) {
+            float *restrict ub = u + i0;
+            for (i64 i = 0; i < len; i++) {
+                const float nu = m * ub[i] + s * gb[i], nv = vb[i] + nu;
+                ub[i] = nu; vb[i] = nv;
+                const u32 a = mag(nv); mx = a > mx ? a : mx;
             }
         } else {
             float *restrict ub = u + i0;
             for (i64 i = 0; i < len; i++) {
-                float nu, nv;
-                update(mode, fma, unit, m, s, gb[i], ub[i], vb[i], &nu, &nv);
-                ub[i] = nu;
-                vb[i] = nv;
-                uint32_t bits = absbits(nv);
-                mx = bits > mx ? bits : mx;
+                const float sg = s * gb[i], nu = m * ub[i] + sg, nv = (vb[i] + sg) + m * nu;
+                ub[i] = nu; vb[i] = nv;
+                const u32 a = mag(nv); mx = a > mx ? a : mx;
             }
         }
-        if (j->bmax) j->bmax[b] = mx;
+        bmax[b] = mx;
     }
 }
 
-#define UPDATE_DISPATCH(j)                                                             \
-    switch ((j)->mode * 4 + (j)->fma * 2 + (j)->unit) {                                \
-    case 0: update_body(0, 0, 0, j); break;   case 1: update_body(0, 0, 1, j); break;   \
-    case 2: update_body(0, 1, 0, j); break;   case 3: update_body(0, 1, 1, j); break;   \
-    case 4: update_body(1, 0, 0, j); break;   case 5: update_body(1, 0, 1, j); break;   \
-    case 6: update_body(1, 1, 0, j); break;   case 7: update_body(1, 1, 1, j); break;   \
-    case 8: update_body(2, 0, 0, j); break;   case 9: update_body(2, 0, 1, j); break;   \
-    case 10: update_body(2, 1, 0, j); break;  default: update_body(2, 1, 1, j); break;  \
+/* Step 3's candidates in one block: the positions i0 + i (i < len) with magnitude >= level,
+ * ascending, appended to pos / bits from entry c on while c < cap; returns the new c. */
+ALWAYS_INLINE i64 hits_body(const float *p, i64 len, u32 level, i64 i0, u32 *pos, u32 *bits,
+                            i64 c, i64 cap) {
+    for (i64 i = 0; i < len && c < cap; i++) {
+        const u32 a = mag(p[i]);
+        if (a >= level) { pos[c] = (u32)(i0 + i); bits[c] = a; c++; }
     }
-
-ALWAYS_INLINE void finite_body(job_t *j) {
-    const float *restrict x = j->x;
-    uint32_t mx = 0;
-    for (i64 i = j->i0; i < j->i1; i++) { uint32_t b = absbits(x[i]); mx = b > mx ? b : mx; }
-    j->ok = mx < 0x7f800000u;
+    return c;
 }
 
-static void *update_generic(void *p) { UPDATE_DISPATCH((job_t *)p) return NULL; }
-static void *finite_generic(void *p) { finite_body((job_t *)p); return NULL; }
+#define UPDATE_DISPATCH(mode, ...)                                                           \
+    switch (mode) {                                                                          \
+    case 0: update_body(0, __VA_ARGS__); break;                                              \
+    case 1: update_body(1, __VA_ARGS__); break;                                              \
+    default: update_body(2, __VA_ARGS__); break;                                             \
+    }
+#define PASSES(suffix, target)                                                               \
+    target static int finite_##suffix(const float *g, i64 lo, i64 hi)                       \
+    { return finite_body(g, lo, hi); }                                                       \
+    target static void update_##suffix(int mode, const float *g, float *u, float *v, i64 n,  \
+                                       i64 b0, i64 b1, float m, float s, u32 *bmax)          \
+    { UPDATE_DISPATCH(mode, g, u, v, n, b0, b1, m, s, bmax) }
+PASSES(plain, )
 
-#if defined(__x86_64__) && defined(__GNUC__)
-/* The same code compiled for AVX2 + FMA, chosen at run time when the CPU has them. */
-__attribute__((target("avx2,fma"))) static void *update_avx2(void *p)
-{ UPDATE_DISPATCH((job_t *)p) return NULL; }
-__attribute__((target("avx2,fma"))) static void *finite_avx2(void *p)
-{ finite_body((job_t *)p); return NULL; }
+#ifdef X86
+PASSES(avx2, __attribute__((target("avx2"))))
+/* eight magnitudes compared at once; only the lanes that reach the level are visited, in
+ * ascending order (so the output is the plain loop's) */
+__attribute__((target("avx2"))) static i64 hits_avx2(const float *p, i64 len, u32 level,
+                                                    i64 i0, u32 *pos, u32 *bits, i64 c, i64 cap) {
+    const __m256i below = _mm256_set1_epi32((int)(level - 1));
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+    i64 i = 0;
+    for (; i + 8 <= len && c + 8 <= cap; i += 8) {
+        const __m256i a = _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(p + i)), absmask);
+        unsigned hit = (unsigned)_mm256_movemask_ps(
+            _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, below)));
+        while (hit) {
+            const int l = __builtin_ctz(hit);
+            hit &= hit - 1;
+            pos[c] = (u32)(i0 + i + l); bits[c] = mag(p[i + l]); c++;
+        }
+    }
+    return hits_body(p + i, len - i, level, i0 + i, pos, bits, c, cap);
+}
+static i64 hits_plain(const float *p, i64 len, u32 level, i64 i0, u32 *pos, u32 *bits, i64 c,
+                      i64 cap) { return hits_body(p, len, level, i0, pos, bits, c, cap); }
 static int have_avx2(void) {
     static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
+    if (known < 0) { __builtin_cpu_init(); known = __builtin_cpu_supports("avx2"); }
     return known;
 }
-#define UPDATE_FN (have_avx2() ? update_avx2 : update_generic)
-#define FINITE_FN (have_avx2() ? finite_avx2 : finite_generic)
+#define PICK(fn) (have_avx2() ? fn##_avx2 : fn##_plain)
 #else
-#define UPDATE_FN update_generic
-#define FINITE_FN finite_generic
+static i64 hits_plain(const float *p, i64 len, u32 level, i64 i0, u32 *pos, u32 *bits, i64 c,
+                      i64 cap) { return hits_body(p, len, level, i0, pos, bits, c, cap); }
+#define PICK(fn) fn##_plain
 #endif
-
-/* The sampled position of a uniform draw u in [0, 1) for n entries: floor(u * n), at most n - 1
- * (sparsify.sample_positions: u * n is rounded once in float64, as every backend computes it). */
-ALWAYS_INLINE i64 sample_position(double u, i64 n) {
-    const i64 p = (i64)(u * (double)n);
-    return p < n ? p : n - 1;
-}
-ALWAYS_INLINE int uniforms_ok(const double *uni, i64 npos) {
-    for (i64 j = 0; j < npos; j++)
-        if (!(uni[j] >= 0.0 && uni[j] < 1.0)) return 0;
-    return 1;
-}
-
-#define MAX_THREADS 64
-static void *gather_worker(void *p) {
-    job_t *j = (job_t *)p;
-    const float *v = j->v;
-    const double *uni = j->uni;
-    const i64 n = j->n;
-    for (i64 k = j->j0; k < j->j1; k++) {
-        if (k + 32 < j->j1) __builtin_prefetch(v + sample_position(uni[k + 32], n));
-        j->smp[k] = fabsf(v[sample_position(uni[k], n)]);
-    }
-    return NULL;
-}
 
 /* ---- a persistent pool of worker threads
  * parallel(fn, ctx, ntasks, threads) runs fn(ctx, 0..ntasks) on the calling thread and up to
  * threads-1 pool workers, which take task indices from a shared counter. Workers are started on
  * first use. Between regions a worker spins for a short while (SPIN pause instructions, about
  * 0.1 ms) and then sleeps on a condition variable: regions that follow each other closely (the
- * phases of one batch, the tensors of one step) do not pay for waking a sleeping thread, which
+ * phases of one bucket, the buckets of one step) do not pay for waking a sleeping thread, which
  * on a virtual machine can cost tens of microseconds, and an idle pool uses no CPU. One region
- * at a time: a caller that finds the pool busy (another Python thread, or a task calling
- * parallel()) runs its tasks inline. After fork() the child starts with an empty pool. */
+ * at a time: a caller that finds the pool busy (another Python thread) runs its tasks inline.
+ * After fork() the child starts with an empty pool. */
+#define MAX_THREADS 64
 #define SPIN 4096
 /* P.gen is (region sequence number << 8) | workers wanted in that region: a worker reads both in
  * one load, so it cannot take one region's number with another region's count (a worker left
@@ -256,21 +311,20 @@ static struct {
  * depend on which thread runs a task (torch.set_flush_denormal changes only its own thread). */
 #define CSR_FLAGS 0x3fu          /* MXCSR's sticky exception flags: status, not mode */
 ALWAYS_INLINE unsigned fp_mode(void) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef X86
     return _mm_getcsr() & ~CSR_FLAGS;
 #else
     return 0;
 #endif
 }
 ALWAYS_INLINE void set_fp_mode(unsigned csr) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef X86
     const unsigned now = _mm_getcsr();
     if ((now & ~CSR_FLAGS) != csr) _mm_setcsr((now & CSR_FLAGS) | csr);
 #else
     (void)csr;
 #endif
 }
-
 ALWAYS_INLINE void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -279,7 +333,7 @@ ALWAYS_INLINE void cpu_relax(void) {
 
 static void drain(void) {
     for (;;) {
-        i64 t = __atomic_fetch_add(&P.next, 1, __ATOMIC_RELAXED);
+        const i64 t = __atomic_fetch_add(&P.next, 1, __ATOMIC_RELAXED);
         if (t >= P.ntasks) return;
         P.fn(P.ctx, t);
     }
@@ -316,8 +370,8 @@ static void *pool_worker(void *arg) {
 }
 
 static void pool_after_fork_child(void) {
-    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
-    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    const pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+    const pthread_cond_t c = PTHREAD_COND_INITIALIZER;
     P.use = m; P.mu = m; P.go = c; P.done = c;
     P.started = P.running = 0;
 }
@@ -356,879 +410,598 @@ static void parallel(task_fn fn, void *ctx, i64 ntasks, int threads) {
     pthread_mutex_unlock(&P.use);
 }
 
-/* Runs fn on jobs[0..T) in parallel (the per-tensor entry points). */
-typedef struct { void *(*fn)(void *); job_t *jobs; } jobs_ctx;
-static void job_task(void *c, i64 t) { jobs_ctx *j = (jobs_ctx *)c; j->fn(&j->jobs[t]); }
-static void run_jobs(void *(*fn)(void *), job_t *jobs, int T) {
-    jobs_ctx c = {fn, jobs};
-    parallel(job_task, &c, T, T);
+/* ---- compress: one bucket
+ * A row per segment (int64 fields): its gradient's address, its offset in the flat buffers, the
+ * Plan (n, k, s, ks1, ks2, cap), the samples' base, where its payload starts and its words, its
+ * payload's index section words, where its entries start; then the outputs. */
+enum { R_G, R_OFF, R_N, R_K, R_S, R_KS1, R_KS2, R_CAP, R_BASE, R_PAY, R_WORDS, R_IW, R_START,
+       R_COUNT, R_FINITE, R_OVER, R_FLUSH, R_DROP, NR };
+
+/* Three regions of the pool per bucket. A segment of at most SMALL_BLOCKS blocks (262,144
+ * elements: v is 1 MiB) is one task of the second, from its check to its payload, while it is in
+ * cache. A larger one is checked in chunks of CHUNK elements in the first region (which also sorts
+ * its samples by chunk), then (finite) updated in chunks in the second, each chunk taking the
+ * samples that fall in it while it is in cache, then selected and encoded by one task in the
+ * third. Largest first, so that the threads finish together. */
+#define SMALL_BLOCKS 4096
+#define CHUNK (1 << 16)
+#define CHUNK_BLOCKS (CHUNK / BLOCK)
+
+typedef struct { i64 row, chunk; } task_t;       /* chunk -1: the whole segment / its samples */
+typedef struct { i64 n, row; } size_row;
+typedef struct {
+    i64 *rows; const double *scales;
+    float *u, *v; float m; int mode, masking, delta16, fp16;
+    int32_t *pay; i64 *sel; float *vals, *usent;
+    u32 *bmax;                     /* the largest magnitude of each block of the flat buffers */
+    u32 *smp; i64 *soff;           /* the sampled magnitudes, each segment's from soff[j] */
+    u32 *spos, *sidx;              /* a large segment's samples by chunk: positions, numbers, */
+    i64 *cstart, *coff;            /* chunk c's from cstart[coff[j] + c] */
+    size_row *order;               /* the segments, largest first */
+    task_t *tasks;                 /* a region's */
+    char *bad;                     /* a NaN/Inf found in a large segment's gradient */
+    int rc;
+} bucket_t;
+
+#define ROW(b, j) ((b)->rows + NR * (j))
+ALWAYS_INLINE i64 blocks_of(const i64 *row) { return (row[R_N] + BLOCK - 1) / BLOCK; }
+ALWAYS_INLINE i64 chunks_of(const i64 *row) { return (row[R_N] + CHUNK - 1) / CHUNK; }
+ALWAYS_INLINE int is_large(const i64 *row) { return blocks_of(row) > SMALL_BLOCKS; }
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* Step 3, sample (small segments): the magnitudes at the s sampled positions */
+static void sample_all(const bucket_t *b, i64 j) {
+    const i64 *row = ROW(b, j);
+    const float *v = b->v + row[R_OFF];
+    const i64 n = row[R_N], s = row[R_S];
+    const u32 base = (u32)row[R_BASE];
+    u32 *smp = b->smp + b->soff[j];
+    for (i64 i = 0; i < s; i++) smp[i] = mag(v[sample_position(base, i, n)]);
 }
 
-/* threads for n elements: one per PARALLEL_MIN elements, at most `threads` */
-#define PARALLEL_MIN (1 << 16)
-static int nthreads(i64 n, int threads) {
-    i64 t = n / PARALLEL_MIN;
-    if (t > threads) t = threads;
-    if (t > MAX_THREADS) t = MAX_THREADS;
-    return t < 1 ? 1 : (int)t;
-}
-
-static int finite_impl(const float *x, i64 n, int threads) {
-    job_t jobs[MAX_THREADS];
-    int T = nthreads(n, threads), ok = 1;
-    for (int t = 0; t < T; t++) {
-        memset(&jobs[t], 0, sizeof(job_t));
-        jobs[t].x = x; jobs[t].i0 = n * t / T; jobs[t].i1 = n * (t + 1) / T;
+/* Step 3, sample (large segments), before the update: the sampled positions sorted by the chunk
+ * they fall in (spos, with their sample numbers in sidx, chunk c's from cstart[c]) */
+static void sort_samples(bucket_t *b, i64 j) {
+    const i64 *row = ROW(b, j), n = row[R_N], s = row[R_S], chunks = chunks_of(row);
+    const u32 base = (u32)row[R_BASE];
+    u32 *raw = b->smp + b->soff[j];                /* (overwritten by the magnitudes later) */
+    u32 *spos = b->spos + b->soff[j], *sidx = b->sidx + b->soff[j];
+    i64 *cs = b->cstart + b->coff[j];
+    memset(cs, 0, sizeof(i64) * (size_t)(chunks + 2));
+    for (i64 i = 0; i < s; i++) {
+        raw[i] = (u32)sample_position(base, i, n);
+        cs[raw[i] / CHUNK + 2]++;
     }
-    run_jobs(FINITE_FN, jobs, T);
-    for (int t = 0; t < T; t++) ok &= jobs[t].ok;
-    return ok;
-}
-
-/* The positions i0 + i (0 <= i < len) with |p[i]| >= t, ascending, appended to cidx / cmag from
- * entry c on (at most cap entries are written); returns the new count. */
-ALWAYS_INLINE i64 block_hits_body(const float *p, i64 len, float t, i64 i0, i64 *cidx,
-                                  float *cmag, i64 c, i64 cap) {
-    for (i64 i = 0; i < len; i++) {
-        float a = fabsf(p[i]);
-        if (a >= t) {
-            if (c < cap) { cidx[c] = i0 + i; cmag[c] = a; }
-            c++;
-        }
+    for (i64 c = 2; c <= chunks + 1; c++) cs[c] += cs[c - 1];
+    for (i64 i = 0; i < s; i++) {                  /* cs[c + 1]: where chunk c's next goes */
+        const i64 e = cs[raw[i] / CHUNK + 1]++;
+        spos[e] = raw[i];
+        sidx[e] = (u32)i;
     }
-    return c;
-}
-static i64 block_hits_generic(const float *p, i64 len, float t, i64 i0, i64 *cidx, float *cmag,
-                              i64 c, i64 cap) {
-    return block_hits_body(p, len, t, i0, cidx, cmag, c, cap);
-}
-#if defined(__x86_64__) && defined(__GNUC__)
-/* The same with AVX2: eight magnitudes compared at once; only lanes that reach t are visited
- * (in ascending order, so the output is the scalar loop's). */
-__attribute__((target("avx2"))) static i64 block_hits_avx2(const float *p, i64 len, float t,
-                                                         i64 i0, i64 *cidx, float *cmag, i64 c,
-                                                         i64 cap) {
-    const __m256 vt = _mm256_set1_ps(t);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    i64 i = 0;
-    for (; i + 8 <= len; i += 8) {
-        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(p + i), absmask);
-        unsigned m = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, vt, _CMP_GE_OQ));
-        while (m) {
-            const int l = __builtin_ctz(m);
-            m &= m - 1;
-            if (c < cap) { cidx[c] = i0 + i + l; cmag[c] = fabsf(p[i + l]); }
-            c++;
-        }
-    }
-    return block_hits_body(p + i, len - i, t, i0 + i, cidx, cmag, c, cap);
-}
-#define BLOCK_HITS_FN (have_avx2() ? block_hits_avx2 : block_hits_generic)
-#else
-#define BLOCK_HITS_FN block_hits_generic
-#endif
-
-/* The top-k of the c candidates in ascending position order into out, when that set is unique
- * (no tie straddles the k-th largest magnitude) and c >= k; or all of them when k/2 <= c <= k.
- * Returns the number written, or -1 (ties, too few: the caller takes the backend's top-k). */
-static i64 select_candidates(const i64 *cidx, const float *cmag, i64 c, i64 k, i64 *out) {
-    if (2 * c < k) return -1;
-    if (c <= k) { memcpy(out, cidx, (size_t)c * sizeof(i64)); return c; }
-    float *tmp = (float *)scratch(1, (size_t)c * sizeof(float));
-    if (!tmp) return -1;
-    memcpy(tmp, cmag, (size_t)c * sizeof(float));
-    const float T = kth_largest(tmp, c, k);
-    i64 above = 0, equal = 0;
-    for (i64 j = 0; j < c; j++) { above += cmag[j] > T; equal += cmag[j] == T; }
-    if (above + equal != k) return -1;
-    i64 w = 0;
-    for (i64 j = 0; j < c; j++) if (cmag[j] >= T) out[w++] = cidx[j];
-    return w;
 }
 
-/* The positions with |v| >= t (tb: its bits) in ascending order into cidx / cmag (at most cap of
- * them); only blocks whose recorded maximum reaches t are read. Returns the full count. */
-static i64 candidates(const float *v, i64 n, const uint32_t *bmax, float t, uint32_t tb,
-                      i64 *cidx, float *cmag, i64 cap) {
-    /* The qualifying blocks are scattered over v (in memory, not in cache, for a large tensor):
-     * the next LOOKAHEAD of them are prefetched while one is read, in ascending order. */
+/* Step 3, candidates: the first cap positions, ascending, whose magnitude reaches the level,
+ * into pos / bits; returns how many. Only the blocks whose recorded maximum reaches the level
+ * are read (eight block maxima are compared at a time); the next LOOKAHEAD of them are
+ * prefetched while one is read (they are scattered over v, not in cache for a large segment). */
+static i64 candidates(const float *v, i64 n, const u32 *bmax, u32 level, u32 *pos, u32 *bits,
+                      i64 cap) {
     enum { LOOKAHEAD = 16 };
+    i64 (*const hits)(const float *, i64, u32, i64, u32 *, u32 *, i64, i64) = PICK(hits);
     const i64 nblocks = (n + BLOCK - 1) / BLOCK;
     i64 ring[LOOKAHEAD], next = 0, c = 0;
     int head = 0, queued = 0;
-    for (;;) {
+    while (c < cap) {
         while (queued < LOOKAHEAD && next < nblocks) {
-            if (bmax[next] >= tb) {
-                const float *p = v + next * BLOCK;
-                for (int l = 0; l < BLOCK; l += 16) __builtin_prefetch(p + l);
+            if (next + 8 <= nblocks) {
+                int any = 0;                        /* (magnitudes are below 2**31) */
+                for (int l = 0; l < 8; l++) any |= (int32_t)bmax[next + l] >= (int32_t)level;
+                if (!any) { next += 8; continue; }
+            }
+            if (bmax[next] >= level) {
+                for (int l = 0; l < BLOCK; l += 16) __builtin_prefetch(v + next * BLOCK + l);
                 ring[(head + queued) % LOOKAHEAD] = next;
                 queued++;
             }
             next++;
         }
         if (!queued) break;
-        const i64 b = ring[head];
+        const i64 blk = ring[head], i0 = blk * BLOCK;
         head = (head + 1) % LOOKAHEAD;
         queued--;
-        const i64 i0 = b * BLOCK, len = (n - i0 < BLOCK) ? n - i0 : BLOCK;
-        c = BLOCK_HITS_FN(v + i0, len, t, i0, cidx, cmag, c, cap);
+        c = hits(v + i0, n - i0 < BLOCK ? n - i0 : BLOCK, level, i0, pos, bits, c, cap);
     }
     return c;
 }
 
-static int step_impl(int mode, int fma, int unit, const float *g, float *u, float *v, i64 n,
-                     float m, float s, const double *uni, i64 npos, i64 ks, i64 *cidx, float *cmag,
-                     i64 cap, int threads, float *thr_out, i64 *count_out) {
-    const i64 nblocks = (n + BLOCK - 1) / BLOCK;
-    uint32_t *bmax = NULL;
-    float *smp = NULL;
-    if (npos > 0) {
-        if (!uniforms_ok(uni, npos)) return -2;
-        bmax = (uint32_t *)scratch(0, (size_t)(nblocks ? nblocks : 1) * sizeof(uint32_t));
-        smp = (float *)scratch(1, (size_t)npos * sizeof(float));
-        if (!bmax || !smp) return -1;
+/* Step 3, settle to k: the k of the c candidates of largest magnitude, ties at the k-th
+ * magnitude to the lower position (all of them when c <= k), ascending, into out. Returns how
+ * many, or -1 (out of memory). */
+static i64 settle(const u32 *pos, const u32 *bits, i64 c, i64 k, i64 *out) {
+    if (c <= k) {
+        for (i64 j = 0; j < c; j++) out[j] = pos[j];
+        return c;
     }
-    job_t jobs[MAX_THREADS];
-    int T = nthreads(n, threads);
-    for (int t = 0; t < T; t++) {
-        job_t *j = &jobs[t];
-        memset(j, 0, sizeof(job_t));
-        j->g = g; j->u = u; j->v = v; j->n = n; j->m = m; j->s = s; j->bmax = bmax;
-        j->mode = mode; j->fma = fma; j->unit = unit;
-        j->b0 = nblocks * t / T; j->b1 = nblocks * (t + 1) / T;
-        j->uni = uni; j->smp = smp; j->j0 = npos * t / T; j->j1 = npos * (t + 1) / T;
+    u32 *tmp = (u32 *)scratch(2, (size_t)c * sizeof(u32));
+    if (!tmp) return -1;
+    memcpy(tmp, bits, (size_t)c * sizeof(u32));
+    const u32 T = kth_largest(tmp, c, k);
+    i64 above = 0;
+    for (i64 j = 0; j < c; j++) above += bits[j] > T;
+    i64 ties = k - above, w = 0;                 /* the first `ties` at T, by position */
+    for (i64 j = 0; j < c; j++)
+        if (bits[j] > T || (bits[j] == T && ties-- > 0)) out[w++] = pos[j];
+    return w;
+}
+
+/* Step 6, encode: the payload of a segment (wire.encode), c entries at the positions sel with
+ * values vals (float32) or hv (float16 bits); every word written, the padding zero. Returns 0, or
+ * -1 when the index section is too small (a bug: the Step's sizes do not fit the selection). */
+static int encode(const bucket_t *b, const i64 *row, const i64 *sel, const float *vals,
+                  const uint16_t *hv, i64 c, u32 flags) {
+    int32_t *p = b->pay + row[R_PAY];
+    const i64 iw = row[R_IW], words = row[R_WORDS], H = K.HEADER_WORDS;
+    memset(p, 0, (size_t)words * sizeof(int32_t));
+    int32_t *iwp = p + H;
+    i64 tokens = c;
+    if (b->delta16) {
+        uint16_t *tok = (uint16_t *)iwp;           /* native order: low half first */
+        i64 t = 0, prev = -1;
+        for (i64 j = 0; j < c; j++) {
+            const i64 gap = sel[j] - prev, esc = (gap - 1) / K.ESCAPE;
+            if (t + esc + 1 > 2 * iw) return -1;
+            for (i64 e = 0; e < esc; e++) tok[t++] = 0;
+            tok[t++] = (uint16_t)(gap - esc * K.ESCAPE);
+            prev = sel[j];
+        }
+        tokens = t;
+    } else {
+        for (i64 j = 0; j < c; j++) iwp[j] = (int32_t)sel[j];
     }
-    /* 1. the update, one pass over g, u, v */
-    run_jobs(UPDATE_FN, jobs, T);
-    if (npos == 0) { *thr_out = 0.0f; *count_out = 0; return 0; }
-    /* 2. threshold: the ks-th largest |v| over the sampled positions */
-    run_jobs(gather_worker, jobs, T);
-    const float t = kth_largest(smp, npos, ks);
-    const uint32_t tb = absbits(t);
-    /* 3. candidates |v| >= t, ascending: only blocks whose maximum reaches t are read again */
-    *thr_out = t;
-    *count_out = candidates(v, n, bmax, t, tb, cidx, cmag, cap);
+    if (hv) memcpy(p + H + iw, hv, (size_t)c * sizeof(uint16_t));
+    else memcpy(p + H + iw, vals, (size_t)c * sizeof(float));
+    p[0] = (int32_t)K.MAGIC_V3; p[1] = (int32_t)row[R_N]; p[2] = (int32_t)c;
+    p[3] = (int32_t)WORD3(flags, b->delta16 ? K.INDEX_DELTA16 : K.INDEX_INT32,
+                          b->fp16 ? K.VALUES_FP16 : K.VALUES_FP32);
+    p[4] = (int32_t)tokens; p[5] = (int32_t)row[R_K];
     return 0;
 }
 
-/* ascending sort of unique non-negative positions < 2**31: insertion sort or 3-pass LSD radix */
-static int sort_positions(i64 *a, i64 n) {
-    if (n <= 32) {
-        for (i64 i = 1; i < n; i++) {
-            i64 x = a[i], j = i - 1;
-            while (j >= 0 && a[j] > x) { a[j + 1] = a[j]; j--; }
-            a[j + 1] = x;
+/* The outputs of a segment whose gradient has NaN/Inf (step 1): state untouched, no entry, the
+ * payload flagged. */
+static void skip_nonfinite(bucket_t *b, i64 j) {
+    i64 *row = ROW(b, j);
+    const i64 k = row[R_K], a = row[R_START];
+    memset(b->sel + a, 0, (size_t)k * sizeof(i64));
+    memset(b->vals + a, 0, (size_t)k * sizeof(float));
+    if (b->usent) memset(b->usent + a, 0, (size_t)k * sizeof(float));
+    row[R_COUNT] = row[R_FINITE] = row[R_OVER] = row[R_FLUSH] = row[R_DROP] = 0;
+    encode(b, row, NULL, NULL, NULL, 0, K.FLAG_NONFINITE);
+}
+
+/* Steps 3-6 of an updated segment whose samples are taken: the thresholds t1, t2 (each at least
+ * MIN_BITS), the level (t1 if k entries reach it, else t2), its first cap candidates, the top k
+ * of them; then mask (the values leave v, and u with masking), round (float16), encode. */
+static void select_encode(bucket_t *b, i64 j) {
+    i64 *row = ROW(b, j);
+    const i64 n = row[R_N], k = row[R_K], s = row[R_S], a = row[R_START];
+    const i64 cap = row[R_CAP] < n ? row[R_CAP] : n;
+    float *v = b->v + row[R_OFF], *u = b->u ? b->u + row[R_OFF] : NULL;
+    const u32 *bmax = b->bmax + row[R_OFF] / BLOCK;
+    u32 t1 = K.MIN_BITS, t2 = K.MIN_BITS;
+    if (s) {                      /* the ks2-th largest sample, then the ks1-th among the ks2 */
+        u32 *smp = b->smp + b->soff[j];
+        const i64 ks2 = row[R_KS2];
+        const u32 x2 = 16 * ks2 <= s ? top_heap(smp, s, ks2) : kth_largest(smp, s, ks2);
+        const u32 x1 = kth_largest(smp, ks2, row[R_KS1]);
+        t1 = x1 > t1 ? x1 : t1;
+        t2 = x2 > t2 ? x2 : t2;
+    }
+    u32 *pos = (u32 *)scratch(0, (size_t)cap * sizeof(u32));
+    u32 *bits = (u32 *)scratch(1, (size_t)cap * sizeof(u32));
+    if (!pos || !bits) { b->rc = -1; return; }
+    /* cap >= k: stopping at cap candidates, fewer than k means fewer than k reach t1 at all */
+    i64 c = candidates(v, n, bmax, t1, pos, bits, cap);
+    if (c < k && t2 != t1) c = candidates(v, n, bmax, t2, pos, bits, cap);
+    i64 *sel = b->sel + a;
+    c = settle(pos, bits, c, k, sel);
+    if (c < 0) { b->rc = -1; return; }
+    /* 4. mask: the values (and velocities) sent leave v (and u with masking) */
+    float *vals = b->vals + a, *usent = b->usent ? b->usent + a : NULL;
+    for (i64 q = 0; q < c; q++) {
+        const i64 p = sel[q];
+        vals[q] = v[p];
+        v[p] = 0.0f;
+        if (usent) { usent[q] = u[p]; u[p] = 0.0f; }
+    }
+    memset(sel + c, 0, (size_t)(k - c) * sizeof(i64));
+    memset(vals + c, 0, (size_t)(k - c) * sizeof(float));
+    if (usent) memset(usent + c, 0, (size_t)(k - c) * sizeof(float));
+    /* 5. round (precision.round_to_fp16): the rounding error stays in v, unless a value overflows:
+     *    then the segment's u and v are zeroed */
+    i64 over = 0, flush = 0;
+    uint16_t *hv = NULL;
+    if (b->fp16) {
+        hv = (uint16_t *)scratch(2, (size_t)c * sizeof(uint16_t));
+        if (!hv) { b->rc = -1; return; }
+        for (i64 q = 0; q < c; q++) {
+            hv[q] = to_half(bits_of(vals[q]));
+            over += (hv[q] & 0x7fffu) == 0x7c00u;
+            flush += (hv[q] & 0x7fffu) == 0 && vals[q] != 0.0f;
+        }
+        if (over) {
+            memset(v, 0, (size_t)n * sizeof(float));
+            if (u) memset(u, 0, (size_t)n * sizeof(float));
+        } else {
+            for (i64 q = 0; q < c; q++) v[sel[q]] = vals[q] - from_half(hv[q]);
+        }
+    }
+    row[R_COUNT] = c; row[R_FINITE] = 1; row[R_OVER] = over; row[R_FLUSH] = flush;
+    row[R_DROP] = over > 0;
+    if (encode(b, row, sel, vals, hv, c, 0)) b->rc = -2;       /* 6. */
+}
+
+/* Step 2 of blocks [b0, b1) of segment j */
+static void update(const bucket_t *b, i64 j, i64 b0, i64 b1) {
+    const i64 *row = ROW(b, j);
+    PICK(update)(b->mode, (const float *)(uintptr_t)row[R_G], b->u ? b->u + row[R_OFF] : NULL,
+                 b->v + row[R_OFF], row[R_N], b0, b1, b->m, (float)b->scales[j],
+                 b->bmax + row[R_OFF] / BLOCK);
+}
+
+/* The tasks of bucket_compress's regions */
+static void check_task(void *ctx, i64 t) {            /* 1. a large segment's chunk, step 1 */
+    bucket_t *b = (bucket_t *)ctx;                    /*    (chunk -1: its samples sorted) */
+    const task_t *q = &b->tasks[t];
+    const i64 *row = ROW(b, q->row), n = row[R_N];
+    if (q->chunk < 0) { sort_samples(b, q->row); return; }
+    if (!PICK(finite)((const float *)(uintptr_t)row[R_G], q->chunk * CHUNK,
+                      MIN((q->chunk + 1) * CHUNK, n)))
+        __atomic_store_n(&b->bad[q->row], 1, __ATOMIC_RELAXED);
+}
+
+static void update_task(void *ctx, i64 t) {           /* 2. a small segment, steps 1-6; */
+    bucket_t *b = (bucket_t *)ctx;                    /*    or a large one's chunk, step 2 */
+    const task_t *q = &b->tasks[t];                   /*    and its samples */
+    const i64 j = q->row, c = q->chunk, *row = ROW(b, j), blocks = blocks_of(row);
+    if (c < 0) {
+        if (!PICK(finite)((const float *)(uintptr_t)row[R_G], 0, row[R_N])) {
+            skip_nonfinite(b, j);                       /* (g comes into cache for the update) */
+            return;
+        }
+        update(b, j, 0, blocks);
+        sample_all(b, j);
+        select_encode(b, j);
+        return;
+    }
+    update(b, j, c * CHUNK_BLOCKS, MIN((c + 1) * CHUNK_BLOCKS, blocks));
+    const float *v = b->v + row[R_OFF];
+    const i64 *cs = b->cstart + b->coff[j];
+    const u32 *spos = b->spos + b->soff[j], *sidx = b->sidx + b->soff[j];
+    u32 *smp = b->smp + b->soff[j];
+    for (i64 e = cs[c]; e < cs[c + 1]; e++) smp[sidx[e]] = mag(v[spos[e]]);
+}
+
+static void select_task(void *ctx, i64 t) {           /* 3. a large segment, steps 3-6 */
+    bucket_t *b = (bucket_t *)ctx;
+    select_encode(b, b->tasks[t].row);
+}
+
+static int by_size_desc(const void *x, const void *y) {
+    const size_row *a = (const size_row *)x, *c = (const size_row *)y;
+    return a->n < c->n ? 1 : a->n > c->n ? -1 : (a->row > c->row) - (a->row < c->row);
+}
+
+/* Every row's sizes against the buffers, before anything is written. */
+static int check_rows(const bucket_t *b, i64 nrows, i64 nflat, i64 nwords, i64 nentries) {
+    for (i64 j = 0; j < nrows; j++) {
+        const i64 *r = ROW(b, j);
+        const i64 n = r[R_N], k = r[R_K], s = r[R_S];
+        const i64 vw = r[R_WORDS] - K.HEADER_WORDS - r[R_IW];
+        if (n < 0 || n > INT32_MAX || k < 0 || k > n || (n && !r[R_G]) || r[R_OFF] < 0
+            || r[R_OFF] % BLOCK || r[R_OFF] + n > nflat || s < 0 || s > n || r[R_CAP] < 0
+            || (s && (r[R_KS1] < 1 || r[R_KS1] > r[R_KS2] || r[R_KS2] > s))
+            || r[R_IW] < (b->delta16 ? (k + 1) / 2 : k) || vw < (b->fp16 ? (k + 1) / 2 : k)
+            || r[R_PAY] < 0 || r[R_PAY] + r[R_WORDS] > nwords || r[R_START] < 0
+            || r[R_START] + k > nentries)
+            return -2;
+    }
+    return 0;
+}
+
+/* Steps 1-6 of every segment of a bucket (engine.py). Returns 0, -1 (out of memory) or -2 (a row
+ * that does not fit its buffers: nothing written). */
+static int bucket_compress(bucket_t *b, i64 nrows, i64 nflat, i64 nwords, i64 nentries,
+                           int threads) {
+    if (check_rows(b, nrows, nflat, nwords, nentries)) return -2;
+    i64 nsmp = 0, nchunks = 0, ntasks = 0;
+    for (i64 j = 0; j < nrows; j++) {
+        const i64 *row = ROW(b, j);
+        nsmp += row[R_S];
+        nchunks += is_large(row) ? chunks_of(row) + 3 : 0;
+        ntasks += is_large(row) ? chunks_of(row) + 1 : 1;
+    }
+    /* the call's buffers, carved from one of the calling thread's (kept: no page faults) */
+    const size_t sizes[] = {sizeof(u32) * (size_t)(nflat / BLOCK + 1),
+                            3 * sizeof(u32) * (size_t)(nsmp + 1),
+                            sizeof(i64) * (size_t)(nchunks + 1),
+                            2 * sizeof(i64) * (size_t)(nrows + 1),
+                            sizeof(size_row) * (size_t)(nrows + 1),
+                            sizeof(task_t) * (size_t)(ntasks + 1), (size_t)(nrows + 1)};
+    size_t total = 0;
+    for (int q = 0; q < 7; q++) total += (sizes[q] + 63) / 64 * 64;
+    char *arena = (char *)scratch(3, total);
+    if (!arena) return -1;
+    void *part[7];
+    for (int q = 0; q < 7; q++) { part[q] = arena; arena += (sizes[q] + 63) / 64 * 64; }
+    b->bmax = (u32 *)part[0];
+    b->smp = (u32 *)part[1]; b->spos = b->smp + nsmp + 1; b->sidx = b->spos + nsmp + 1;
+    b->cstart = (i64 *)part[2]; b->soff = (i64 *)part[3]; b->coff = b->soff + nrows + 1;
+    b->order = (size_row *)part[4]; b->tasks = (task_t *)part[5]; b->bad = (char *)part[6];
+    memset(b->bad, 0, (size_t)nrows);
+    for (i64 j = 0, so = 0, co = 0; j < nrows; j++) {
+        const i64 *row = ROW(b, j);
+        b->soff[j] = so; so += row[R_S];
+        b->coff[j] = co; co += is_large(row) ? chunks_of(row) + 3 : 0;
+        b->order[j] = (size_row){row[R_N], j};
+    }
+    qsort(b->order, (size_t)nrows, sizeof(size_row), by_size_desc);
+    /* 1. the large segments' checks (and their samples sorted by chunk) */
+    i64 nt = 0, nbig = 0;
+    for (i64 q = 0; q < nrows; q++) {
+        const i64 j = b->order[q].row, *row = ROW(b, j);
+        if (!is_large(row)) continue;
+        b->tasks[nt++] = (task_t){j, -1};
+        for (i64 c = 0; c < chunks_of(row); c++) b->tasks[nt++] = (task_t){j, c};
+    }
+    parallel(check_task, b, nt, threads);
+    /* 2. the small segments whole, the large ones' updates */
+    nt = 0;
+    for (i64 q = 0; q < nrows; q++) {
+        const i64 j = b->order[q].row, *row = ROW(b, j);
+        if (!is_large(row)) b->tasks[nt++] = (task_t){j, -1};
+        else if (b->bad[j]) skip_nonfinite(b, j);
+        else {
+            for (i64 c = 0; c < chunks_of(row); c++) b->tasks[nt++] = (task_t){j, c};
+            b->order[nbig++].row = j;               /* (the large ones, in order) */
+        }
+    }
+    parallel(update_task, b, nt, threads);
+    /* 3. the large segments' selections */
+    for (i64 q = 0; q < nbig; q++) b->tasks[q] = (task_t){b->order[q].row, -1};
+    parallel(select_task, b, nbig, threads);
+    return b->rc;
+}
+
+/* ---- decode (OpsEngine.decode, wire.decode_sum) and split_bucket (wire.split_bucket) ------ */
+typedef struct { i64 n, c, k, tokens, flags, len; int int32, fp16; } header_t;
+
+/* wire._header: the checks of the payload header at word p of w[total]; its length in words
+ * (wire.payload_words) into h->len. Returns 0, or -1 (malformed). */
+static int read_header(const int32_t *w, i64 total, i64 p, header_t *h) {
+    if (p + K.HEADER_WORDS > total || (u32)w[p] != K.MAGIC_V3) return -1;
+    h->n = w[p + 1]; h->c = w[p + 2]; h->tokens = w[p + 4]; h->k = w[p + 5];
+    const u32 w3 = (u32)w[p + 3], icode = (w3 >> 8) & 0xffu, vcode = (w3 >> 16) & 0xffu;
+    if (h->n <= 0 || h->c < 0 || h->c > h->k || h->k > h->n || icode >= K.INDEX_CODES
+        || vcode >= K.VALUE_CODES || (w3 >> 24))
+        return -1;
+    h->flags = w3 & 0xffu; h->int32 = icode == K.INDEX_INT32; h->fp16 = vcode == K.VALUES_FP16;
+    const i64 escapes = (h->n - 1) / K.ESCAPE;                /* wire.max_escapes */
+    if ((h->int32 && h->tokens != h->c) || h->tokens < h->c || h->tokens > h->c + escapes)
+        return -1;
+    h->len = K.HEADER_WORDS + (h->int32 ? h->k : (h->k + escapes + 1) / 2)
+             + (h->fp16 ? (h->k + 1) / 2 : h->k);
+    return 0;
+}
+
+/* The positions of a checked payload's c entries (at word p) into pos; -1 when the index
+ * section does not hold exactly c entries, or one is outside [0, numel) (wire.read_payload). */
+static int read_positions(const int32_t *w, i64 p, const header_t *h, i64 numel, int32_t *pos) {
+    const int32_t *ix = w + p + K.HEADER_WORDS;
+    if (h->int32) {
+        for (i64 j = 0; j < h->c; j++) {
+            if (ix[j] < 0 || ix[j] >= numel) return -1;
+            pos[j] = ix[j];
         }
         return 0;
     }
-    i64 *tmp = (i64 *)malloc((size_t)n * sizeof(i64));
-    if (!tmp) return -1;
-    i64 *src = a, *dst = tmp;
-    for (int shift = 0; shift < 33; shift += 11) {
-        i64 cnt[2048] = {0};
-        for (i64 i = 0; i < n; i++) cnt[(src[i] >> shift) & 2047]++;
-        i64 sum = 0;
-        for (int b = 0; b < 2048; b++) { i64 x = cnt[b]; cnt[b] = sum; sum += x; }
-        for (i64 i = 0; i < n; i++) dst[cnt[(src[i] >> shift) & 2047]++] = src[i];
-        i64 *t = src; src = dst; dst = t;
+    const uint16_t *tok = (const uint16_t *)ix;                 /* low half first */
+    i64 at = -1, e = 0;
+    for (i64 t = 0; t < h->tokens; t++) {
+        if (!tok[t]) { at += K.ESCAPE; continue; }
+        at += tok[t];
+        if (e == h->c || at >= numel) return -1;
+        pos[e++] = (int32_t)at;
     }
-    if (src != a) memcpy(a, src, (size_t)n * sizeof(i64));  /* 3 passes: result is in tmp */
-    free(tmp);
-    return 0;
+    return e == h->c ? 0 : -1;
 }
 
-static int finish_impl(i64 *idx, i64 c, float *v, float *u, int mask_u, int sort, float *vals,
-                       float *usent, int32_t *payload, i64 cap_words, i64 numel, int flags,
-                       i64 *words_out) {
-    for (i64 j = 0; j < c; j++)
-        if (idx[j] < 0 || idx[j] >= numel) return -2;
-    if (sort && sort_positions(idx, c)) return -1;
-    /* every check before the first write to v or u: a failure leaves the state as it was */
-    i64 tokens = c;
-    if (sort) {
-        tokens = 0;
-        i64 prev = -1;
-        for (i64 j = 0; j < c; j++) {
-            if (idx[j] <= prev) return -3;          /* not unique */
-            tokens += (idx[j] - prev - 1) / ESCAPE + 1;
-            prev = idx[j];
+/* Every rank's payload checked; then (all finite) out zeroed, the entries added in rank order
+ * (out[i] + value), and, with scale, each sent position once times inv. Returns 0, 1 (a flagged
+ * rank or a float16 value that is not finite: out untouched), -1 (malformed), -3 (memory). */
+static int decode_impl(const int32_t *w, i64 total, i64 numel, i64 ranks, float *out, int scale,
+                       float inv) {
+    header_t *h = (header_t *)malloc(sizeof(header_t) * (size_t)(ranks + 1));
+    i64 *at = (i64 *)malloc(sizeof(i64) * (size_t)(ranks + 1)), p = 0, entries = 0;
+    int32_t *pos = NULL;
+    int rc = -3, nonfinite = 0;
+    if (!h || !at) goto done;
+    rc = -1;
+    for (i64 r = 0; r < ranks; r++) {                        /* the headers, all ranks */
+        if (read_header(w, total, p, &h[r]) || h[r].n != numel || p + h[r].len > total) goto done;
+        at[r] = p; entries += h[r].c; p += h[r].len;
+    }
+    if (p != total) goto done;
+    rc = -3;
+    if (!(pos = (int32_t *)malloc(sizeof(int32_t) * (size_t)(entries + 1)))) goto done;
+    rc = -1;
+    for (i64 r = 0, e = 0; r < ranks; e += h[r].c, r++) {     /* the indices and values */
+        if (h[r].c && read_positions(w, at[r], &h[r], numel, pos + e)) goto done;
+        nonfinite |= (h[r].flags & K.FLAG_NONFINITE) != 0;
+        if (h[r].fp16) {
+            const uint16_t *hv = (const uint16_t *)(w + at[r] + h[r].len - (h[r].k + 1) / 2);
+            for (i64 j = 0; j < h[r].c; j++) nonfinite |= (hv[j] & 0x7c00u) == 0x7c00u;
         }
     }
-    i64 iw = sort ? (tokens + 1) / 2 : c;
-    i64 words = 5 + iw + c;
-    if (words > cap_words) return -4;
-    for (i64 j = 0; j < c; j++) {
-        i64 p = idx[j];
-        if (j + 16 < c) {                            /* scattered positions: prefetch ahead */
-            __builtin_prefetch(v + idx[j + 16], 1);
-            if (usent || mask_u) __builtin_prefetch(u + idx[j + 16], 1);
-        }
-        vals[j] = v[p];
-        if (usent) usent[j] = u[p];
-        v[p] = 0.0f;
-        if (mask_u) u[p] = 0.0f;
+    rc = nonfinite;
+    if (nonfinite) goto done;
+    memset(out, 0, sizeof(float) * (size_t)numel);
+    for (i64 r = 0, e = 0; r < ranks; e += h[r].c, r++) {
+        const int32_t *ps = pos + e;
+        const int32_t *vw = w + at[r] + h[r].len - (h[r].fp16 ? (h[r].k + 1) / 2 : h[r].k);
+        if (h[r].fp16)
+            for (i64 j = 0; j < h[r].c; j++)
+                out[ps[j]] = out[ps[j]] + from_half(((const uint16_t *)vw)[j]);
+        else
+            for (i64 j = 0; j < h[r].c; j++) out[ps[j]] = out[ps[j]] + float_of((u32)vw[j]);
     }
-    payload[0] = (int32_t)MAGIC_V2;
-    payload[1] = (int32_t)numel;
-    payload[2] = (int32_t)c;
-    payload[3] = flags | (sort ? 1 : 0) << 8;
-    payload[4] = (int32_t)tokens;
-    int32_t *iwp = payload + 5;
-    if (sort) {
-        uint16_t *tok = (uint16_t *)iwp;            /* native order: low half first (LE) */
-        i64 t = 0, prev = -1;
-        for (i64 j = 0; j < c; j++) {
-            i64 gap = idx[j] - prev, esc = (gap - 1) / ESCAPE;
-            for (i64 e = 0; e < esc; e++) tok[t++] = 0;
-            tok[t++] = (uint16_t)(gap - esc * ESCAPE);
-            prev = idx[j];
-        }
-        if (t & 1) tok[t] = 0;
-    } else {
-        for (i64 j = 0; j < c; j++) iwp[j] = (int32_t)idx[j];
+    if (scale) {              /* each position once, though several ranks sent it: gather first */
+        float *tmp = (float *)malloc(sizeof(float) * (size_t)(entries + 1));
+        if (!tmp) { rc = -3; goto done; }
+        for (i64 j = 0; j < entries; j++) tmp[j] = out[pos[j]] * inv;
+        for (i64 j = 0; j < entries; j++) out[pos[j]] = tmp[j];
+        free(tmp);
     }
-    memcpy(payload + 5 + iw, vals, (size_t)c * sizeof(float));
-    *words_out = words;
-    return 0;
-}
-
-/* ---- batches: many tensors in one call (a bucket of the PyTorch adapter)
- *
- * step_many(desc, fdesc, count[, threads, out, vals, usent, payload, nk, nw, uni, nuni]): desc
- *   is an int64 array of count rows of NF fields (the F_* below), fdesc a float64 array of count
- *   rows (m, s, threshold); out (int64), vals, usent (float32) of nk entries, payload (int32) of
- *   nw words and uni (float64 uniform draws) of nuni entries are the batch buffers. The rows'
- *   regions in them follow one another in row order, and step_many writes each row's offsets:
- *   F_POS (its npos draws in uni), F_OUT (k entries of out, vals and, when F_USENT is 1, usent)
- *   and F_PAY (cap_words words of payload); a row with k = 0 is not finished here and has no
- *   region in out or payload. Per tensor it does
- *   what step() and then, when it selected (nsel >= 0) and k > 0, what finish() does, with
- *   the same arithmetic (so the same results as the per-tensor calls). It also settles two cases
- *   that step() leaves to the caller, with the set the backend's top-k would choose: more
- *   candidates than cap (collected again into temporary buffers) and fewer than k/2 (a lower
- *   sampled threshold that k of them reach, or the exact top-k over |v|), both when the set is
- *   unique. Outputs: count, nsel,
- *   words, and the threshold in fdesc. Then it compacts: the selected indices (out), values
- *   (vals), u at the sent positions (usent) and payloads of the tensors it finished are moved to
- *   the front of their batch buffers, in tensor order. Tensors with
- *   nsel < 0 are left to the caller (ties at the k-th magnitude, threshold 0, no sampling).
- *   Every row's gradient is checked for NaN/Inf before its state changes: a small tensor's (at
- *   most SMALL_NUMEL elements) by the task that updates it, just before, a larger one's in a
- *   first phase over the pool. A row with any keeps its state as it was, and its nsel is
- *   NONFINITE. A row whose v holds a NaN and that finds fewer than k/2 candidates is left to the
- *   caller (the backend's top-k ranks NaN first).
- *   Phases: (0) the NaN/Inf check of the larger tensors; (1) the update of every tensor over
- *   the pool: a small tensor (at most SMALL_BLOCKS
- *   blocks) is one task that checks, updates and finishes it while it is in cache, a larger one
- *   is cut in chunks of CHUNK_BLOCKS blocks (65,536 elements);
- *   (2) the gather of the sampled magnitudes of the larger tensors, in chunks; (3) per larger
- *   tensor, largest first: threshold, candidates, selection, gather/clear/encode. All arguments
- *   are checked before any state changes. */
-enum { F_G, F_U, F_V, F_N, F_MODE, F_FMA, F_POS, F_NPOS, F_KS, F_CIDX, F_CMAG, F_CAP, F_K,
-       F_OUT, F_VALS, F_USENT, F_MASKU, F_PAY, F_CAPW, F_SORT, F_FLAGS,
-       F_COUNT, F_NSEL, F_WORDS, NF };
-enum { D_M, D_S, D_THR, ND };
-
-typedef struct { i64 t, lo, hi; } range_t;
-#ifndef SMALL_BLOCKS
-#define SMALL_BLOCKS 4096         /* a tensor of at most 4096 blocks (262,144 elements: v is 1 MiB,
-                                     it stays in L2 from its update to its selection) is "small" */
-#endif
-#define SMALL_NUMEL ((i64)SMALL_BLOCKS * BLOCK)
-#define NONFINITE (-2)                           /* F_NSEL of a small row whose g has NaN/Inf */
-typedef struct {
-    i64 *d; double *f; i64 nt;
-    i64 *o; float *vals, *usent; int32_t *pay; const double *uni;   /* the batch buffers */
-    i64 *boff, *soff; uint32_t *bmax; float *smp;
-    range_t *r; i64 nr; i64 *order; char *small, *bad; int rc;
-} batch_t;
-
-#define CHUNK_BLOCKS 1024          /* 64K elements per update task */
-#define CHUNK_SAMPLES 16384        /* sampled positions per gather task */
-#define CHUNK_FINITE (1 << 16)     /* elements per finiteness task */
-
-static i64 make_ranges(range_t *r, i64 t, i64 total, i64 chunk) {
-    i64 w = 0;
-    for (i64 lo = 0; lo < total; lo += chunk) {
-        r[w].t = t; r[w].lo = lo; r[w].hi = lo + chunk < total ? lo + chunk : total; w++;
-    }
-    return w;
-}
-
-static void select_one(batch_t *b, i64 t);
-
-/* A chunk of a large row's gradient checked for NaN/Inf (phase 0 of step_many). */
-static void large_finite_task(void *c, i64 k) {
-    batch_t *b = (batch_t *)c;
-    const range_t *r = &b->r[k];
-    job_t j; memset(&j, 0, sizeof j);
-    j.x = (const float *)(uintptr_t)b->d[NF * r->t + F_G]; j.i0 = r->lo; j.i1 = r->hi;
-    FINITE_FN(&j);
-    if (!j.ok) __atomic_store_n(&b->bad[r->t], 1, __ATOMIC_RELAXED);
-}
-
-/* The outputs of a row whose gradient has NaN/Inf (its state is not touched). */
-static void mark_nonfinite(batch_t *b, i64 t) {
-    i64 *row = b->d + NF * t;
-    row[F_COUNT] = 0; row[F_NSEL] = NONFINITE; row[F_WORDS] = 0; b->f[ND * t + D_THR] = 0.0;
-}
-
-static void update_task(void *c, i64 k) {
-    batch_t *b = (batch_t *)c;
-    const range_t *r = &b->r[k];
-    i64 *row = b->d + NF * r->t;
-    double *f = b->f + ND * r->t;
-    if (b->small[r->t]) {                /* checked here, while g comes into cache for the update */
-        job_t q; memset(&q, 0, sizeof q);
-        q.x = (const float *)(uintptr_t)row[F_G]; q.i0 = 0; q.i1 = row[F_N];
-        FINITE_FN(&q);
-        if (!q.ok) {                     /* NaN/Inf: the state stays as it is */
-            mark_nonfinite(b, r->t);
-            return;
-        }
-    }
-    job_t j; memset(&j, 0, sizeof j);
-    j.g = (const float *)(uintptr_t)row[F_G]; j.u = (float *)(uintptr_t)row[F_U];
-    j.v = (float *)(uintptr_t)row[F_V]; j.n = row[F_N];
-    j.m = (float)f[D_M]; j.s = (float)f[D_S];
-    j.mode = (int)row[F_MODE]; j.fma = row[F_FMA] ? 1 : 0; j.unit = j.s == 1.0f;
-    j.bmax = row[F_NPOS] > 0 ? b->bmax + b->boff[r->t] : NULL;
-    j.b0 = r->lo; j.b1 = r->hi;
-    UPDATE_FN(&j);
-    if (b->small[r->t]) {                /* the whole tensor: gather and select it now */
-        if (row[F_NPOS] > 0) {
-            job_t q; memset(&q, 0, sizeof q);
-            q.v = j.v; q.n = j.n; q.uni = b->uni + row[F_POS];
-            q.smp = b->smp + b->soff[r->t]; q.j0 = 0; q.j1 = row[F_NPOS];
-            gather_worker(&q);
-        }
-        select_one(b, r->t);
-    }
-}
-
-static void gather_task(void *c, i64 k) {
-    batch_t *b = (batch_t *)c;
-    const range_t *r = &b->r[k];
-    const i64 *row = b->d + NF * r->t;
-    job_t j; memset(&j, 0, sizeof j);
-    j.v = (float *)(uintptr_t)row[F_V]; j.n = row[F_N]; j.uni = b->uni + row[F_POS];
-    j.smp = b->smp + b->soff[r->t]; j.j0 = r->lo; j.j1 = r->hi;
-    gather_worker(&j);
-}
-
-/* The k largest |v| of v[n] in ascending position order into out, when that set is unique (no
- * tie at the k-th largest magnitude, which is > 0): what the backend's top-k over |v| selects.
- * Returns k, or -1 (ties, a zero k-th magnitude, out of memory: the caller takes the backend's
- * top-k). */
-static i64 exact_topk_unique(const float *v, i64 n, i64 k, i64 *out) {
-    if (k < 1 || k > n) return -1;
-    /* a buffer of n floats, freed at once: the per-thread scratch would keep the largest one
-     * this rare fallback ever needed for the life of the process */
-    float *tmp = (float *)malloc((size_t)n * sizeof(float));
-    if (!tmp) return -1;
-    for (i64 i = 0; i < n; i++) tmp[i] = fabsf(v[i]);
-    const float T = kth_largest(tmp, n, k);
-    free(tmp);
-    if (!(T > 0.0f)) return -1;
-    i64 above = 0, equal = 0;
-    for (i64 i = 0; i < n; i++) { float a = fabsf(v[i]); above += a > T; equal += a == T; }
-    if (above + equal != k) return -1;
-    i64 w = 0;
-    for (i64 i = 0; i < n; i++) if (fabsf(v[i]) >= T) out[w++] = i;
-    return w;
-}
-
-/* The top-k (unique set, ascending) among the cnt positions with |v| >= thr into out: from the
- * candidate buffers when they hold all of them, else collected again into temporary buffers.
- * Returns the number written or -1 (see select_candidates). */
-static i64 choose(const float *v, i64 n, const uint32_t *bmax, float thr, i64 cnt, i64 k,
-                  const i64 *cidx, const float *cmag, i64 cap, i64 *out) {
-    if (cnt <= cap) return select_candidates(cidx, cmag, cnt, k, out);
-    i64 *ci = (i64 *)malloc(sizeof(i64) * (size_t)cnt);
-    float *cm = (float *)malloc(sizeof(float) * (size_t)cnt);
-    i64 nsel = -1;
-    if (ci && cm) {
-        candidates(v, n, bmax, thr, absbits(thr), ci, cm, cnt);
-        nsel = select_candidates(ci, cm, cnt, k, out);
-    }
-    free(ci);
-    free(cm);
-    return nsel;
-}
-
-static void select_one(batch_t *b, i64 t) {
-    i64 *row = b->d + NF * t;
-    double *f = b->f + ND * t;
-    row[F_COUNT] = 0; row[F_NSEL] = -1; row[F_WORDS] = 0; f[D_THR] = 0.0;
-    const i64 npos = row[F_NPOS], n = row[F_N];
-    if (npos == 0) return;
-    float *v = (float *)(uintptr_t)row[F_V];
-    const float thr = kth_largest(b->smp + b->soff[t], npos, row[F_KS]);
-    const i64 cap = row[F_CAP];
-    i64 *cidx = (i64 *)(uintptr_t)row[F_CIDX];
-    float *cmag = (float *)(uintptr_t)row[F_CMAG];
-    const i64 cnt = candidates(v, n, b->bmax + b->boff[t], thr, absbits(thr), cidx, cmag, cap);
-    f[D_THR] = thr; row[F_COUNT] = cnt;
-    const i64 k = row[F_K];
-    if (k <= 0 || thr <= 0.0f) return;
-    i64 *out = b->o + row[F_OUT];
-    const uint32_t *bmax = b->bmax + b->boff[t];
-    i64 nsel = -1;
-    int nan_in_v = 0;                    /* a NaN in v: the backend's top-k ranks it first */
-    if (2 * cnt < k)
-        for (i64 q = 0, nb = (n + BLOCK - 1) / BLOCK; q < nb && !nan_in_v; q++)
-            nan_in_v = bmax[q] > 0x7f800000u;
-    if (nan_in_v) {
-        nsel = -1;                       /* left to the caller */
-    } else if (2 * cnt < k) {
-        /* Too few candidates: the backend would take the exact top-k over v. Its set (when
-         * unique) is also the top-k among the positions above any threshold that at least k of
-         * them reach: lower the threshold to the (4 ks)-th, (16 ks)-th, ... largest sample, then,
-         * failing that, take the exact top-k over v. (The reported threshold and count stay the
-         * first ones, for the caller's fallback.) */
-        float *smp = b->smp + b->soff[t];
-        for (i64 ks = row[F_KS]; ks < npos;) {
-            ks = 4 * ks < npos ? 4 * ks : npos;
-            const float t2 = kth_largest(smp, npos, ks);
-            if (!(t2 > 0.0f)) break;
-            const i64 c2 = candidates(v, n, bmax, t2, absbits(t2), cidx, cmag, cap);
-            if (c2 >= k) { nsel = choose(v, n, bmax, t2, c2, k, cidx, cmag, cap, out); break; }
-        }
-        if (nsel < 0) nsel = exact_topk_unique(v, n, k, out);
-    } else {
-        nsel = choose(v, n, bmax, thr, cnt, k, cidx, cmag, cap, out);
-    }
-    row[F_NSEL] = nsel;
-    if (nsel < 0) return;
-    i64 words = 0;
-    int rc = finish_impl(out, nsel, v, (float *)(uintptr_t)row[F_U], (int)row[F_MASKU],
-                         (int)row[F_SORT], b->vals + row[F_OUT],
-                         row[F_USENT] ? b->usent + row[F_OUT] : NULL, b->pay + row[F_PAY],
-                         row[F_CAPW], n, (int)row[F_FLAGS], &words);
-    if (rc) {                 /* the row's state is as it was (finish_impl checks first) */
-        row[F_NSEL] = -1;     /* out of memory: the caller finishes it; else a bug: raise */
-        if (rc != -1) b->rc = rc;
-        return;
-    }
-    row[F_WORDS] = words;
-}
-
-static void select_task(void *c, i64 task) {
-    batch_t *b = (batch_t *)c;
-    select_one(b, b->order[task]);
-}
-
-typedef struct { i64 n, t; } size_row;
-static int by_size_desc(const void *a, const void *b) {
-    const size_row *x = (const size_row *)a, *y = (const size_row *)b;
-    return x->n < y->n ? 1 : x->n > y->n ? -1 : (x->t > y->t) - (x->t < y->t);
-}
-
-/* Every row's fields, its regions of the batch buffers (sizes nk, nw, nuni) and its uniforms. */
-static int check_rows(const batch_t *b, i64 nk, i64 nw, i64 nuni) {
-    for (i64 t = 0; t < b->nt; t++) {
-        const i64 *row = b->d + NF * t;
-        const i64 n = row[F_N], npos = row[F_NPOS], mode = row[F_MODE], k = row[F_K];
-        if (n < 0 || mode < 0 || mode > 2 || (mode && !row[F_U]) || !row[F_G] || !row[F_V]
-            || npos < 0 || (npos && (row[F_KS] < 1 || row[F_KS] > npos || row[F_POS] < 0
-                                     || row[F_POS] > nuni - npos || !b->uni
-                                     || !row[F_CIDX] || !row[F_CMAG] || row[F_CAP] < 0))
-            || ((row[F_MASKU] || row[F_USENT]) && !row[F_U]) || k < 0
-            || (k && (!npos || row[F_OUT] < 0 || row[F_OUT] > nk - k || !b->o || !b->vals
-                      || row[F_PAY] < 0 || row[F_CAPW] < 0 || row[F_PAY] > nw - row[F_CAPW]
-                      || !b->pay || (row[F_USENT] && !b->usent))))
-            return -5;
-        if (npos && !uniforms_ok(b->uni + row[F_POS], npos)) return -2;
-    }
-    return 0;
-}
-
-static int step_many_impl(i64 *d, double *f, i64 nt, int threads, i64 *o, float *vals,
-                          float *usent, int32_t *pay, const double *uni, i64 nk, i64 nw,
-                          i64 nuni) {
-    if (nt <= 0) return 0;
-    batch_t b; memset(&b, 0, sizeof b);
-    b.d = d; b.f = f; b.nt = nt;
-    b.o = o; b.vals = vals; b.usent = usent; b.pay = pay; b.uni = uni;
-    /* the rows' regions of the batch buffers, one after the other in row order */
-    for (i64 t = 0, po = 0, ko = 0, wo = 0; t < nt; t++) {
-        i64 *row = d + NF * t;
-        row[F_POS] = po; row[F_OUT] = ko; row[F_PAY] = wo;
-        if (row[F_NPOS] > 0) po += row[F_NPOS];
-        if (row[F_K] > 0) { ko += row[F_K]; if (row[F_CAPW] > 0) wo += row[F_CAPW]; }
-    }
-    int rc = check_rows(&b, nk, nw, nuni);
-    if (rc) return rc;
-    b.boff = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
-    b.soff = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
-    b.order = (i64 *)malloc(sizeof(i64) * (size_t)(nt + 1));
-    b.small = (char *)malloc((size_t)(nt + 1));
-    b.bad = (char *)calloc((size_t)(nt + 1), 1);
-    i64 nblk = 0, nsmp = 0, nranges = 0, nbig = 0;
-    if (!b.boff || !b.soff || !b.order || !b.small || !b.bad) { rc = -1; goto out; }
-    for (i64 t = 0; t < nt; t++) {
-        const i64 *row = d + NF * t;
-        const i64 blocks = (row[F_N] + BLOCK - 1) / BLOCK;
-        b.boff[t] = nblk; b.soff[t] = nsmp;
-        if (row[F_NPOS] > 0) { nblk += blocks; nsmp += row[F_NPOS]; }
-        nranges += (blocks <= SMALL_BLOCKS ? 1 : (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS
-                                                 + (row[F_N] + CHUNK_FINITE - 1) / CHUNK_FINITE)
-                   + (row[F_NPOS] + CHUNK_SAMPLES - 1) / CHUNK_SAMPLES;
-        b.small[t] = blocks <= SMALL_BLOCKS;   /* one task does all of it, in cache */
-        if (!b.small[t]) b.order[nbig++] = t;
-    }
-    b.bmax = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(nblk + 1));
-    b.smp = (float *)malloc(sizeof(float) * (size_t)(nsmp + 1));
-    b.r = (range_t *)malloc(sizeof(range_t) * (size_t)(nranges + 1));
-    if (!b.bmax || !b.smp || !b.r) { rc = -1; goto out; }
-    /* 0. the large gradients' NaN/Inf check (a small one is checked by the task that updates
-     *    it): a row with any is left out of what follows, its state untouched */
-    b.nr = 0;
-    for (i64 q = 0; q < nbig; q++)
-        b.nr += make_ranges(b.r + b.nr, b.order[q], d[NF * b.order[q] + F_N], CHUNK_FINITE);
-    parallel(large_finite_task, &b, b.nr, threads);
-    i64 ngood = 0;
-    for (i64 q = 0; q < nbig; q++) {
-        if (b.bad[b.order[q]]) mark_nonfinite(&b, b.order[q]);
-        else b.order[ngood++] = b.order[q];
-    }
-    nbig = ngood;
-    /* the large tensors, largest first, for phase 3 (no allocation after the state changes) */
-    size_row *sr = (size_row *)malloc(sizeof(size_row) * (size_t)(nbig + 1));
-    if (!sr) { rc = -1; goto out; }
-    for (i64 q = 0; q < nbig; q++) { sr[q].n = d[NF * b.order[q] + F_N]; sr[q].t = b.order[q]; }
-    qsort(sr, (size_t)nbig, sizeof(size_row), by_size_desc);
-    /* 1. the updates */
-    b.nr = 0;
-    for (i64 t = 0; t < nt; t++) {
-        const i64 blocks = (d[NF * t + F_N] + BLOCK - 1) / BLOCK;
-        if (!b.bad[t])
-            b.nr += make_ranges(b.r + b.nr, t, blocks, b.small[t] ? SMALL_BLOCKS : CHUNK_BLOCKS);
-    }
-    parallel(update_task, &b, b.nr, threads);
-    /* 2. the sampled magnitudes of the large tensors */
-    b.nr = 0;
-    for (i64 q = 0; q < nbig; q++)
-        b.nr += make_ranges(b.r + b.nr, b.order[q], d[NF * b.order[q] + F_NPOS], CHUNK_SAMPLES);
-    parallel(gather_task, &b, b.nr, threads);
-    /* 3. per large tensor, largest first */
-    for (i64 q = 0; q < nbig; q++) b.order[q] = sr[q].t;
-    free(sr);
-    parallel(select_task, &b, nbig, threads);
-    rc = b.rc;
-    /* compaction of what was finished, in row order, to the front of the batch buffers */
-    if (!rc) {
-        i64 oo = 0, wo = 0;
-        for (i64 t = 0; t < nt; t++) {
-            const i64 *row = d + NF * t;
-            const i64 nsel = row[F_NSEL], words = row[F_WORDS];
-            if (row[F_K] <= 0 || nsel < 0) continue;
-            memmove(o + oo, o + row[F_OUT], sizeof(i64) * (size_t)nsel);
-            memmove(vals + oo, vals + row[F_OUT], sizeof(float) * (size_t)nsel);
-            if (row[F_USENT])
-                memmove(usent + oo, usent + row[F_OUT], sizeof(float) * (size_t)nsel);
-            memmove(pay + wo, pay + row[F_PAY], sizeof(int32_t) * (size_t)words);
-            oo += nsel; wo += words;
-        }
-    }
-out:
-    free(b.boff); free(b.soff); free(b.order); free(b.small); free(b.bad); free(b.bmax);
-    free(b.smp); free(b.r);
+done:
+    free(h); free(at); free(pos);
     return rc;
 }
 
-/* ---- the receive side: wire.decode_sum in one call (dgc_horovod.core.kernels.decode_sum) ----
- * Every rank's payload in `w` (DGC v2, wire.py), checked as wire.read_payload checks it, then
- * summed in rank order into out[numel]. The call declines (returns 1, out untouched) whenever
- * the tensor-op reference must run instead: a payload it would reject (it raises the error), a
- * rank's non-finite flag or any non-finite value (the caller's NaN path), so whatever this
- * function writes is finite-input IEEE float32 arithmetic with a unique result. */
-#define DEC_ZERO 1          /* zero out first (else it holds what to add to) */
-#define DEC_ADD 2           /* add every rank's entries, in rank order */
-#define DEC_SCALE 4         /* then out[i] *= inv at every sent position, each once */
-
-/* IEEE-754 binary16 -> binary32, exact for every finite value (subnormals included); the
- * caller declines on Inf/NaN (exponent 31) before converting. */
-ALWAYS_INLINE float half_to_float(uint32_t h) {
-    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ffu, b;
-    if (e) b = sign | ((e + 112) << 23) | (m << 13);
-    else if (!m) b = sign;
-    else {                                  /* subnormal: m * 2**-24, normalised */
-        int sh = 0;
-        while (!(m & 0x400u)) { m <<= 1; sh++; }
-        b = sign | ((uint32_t)(113 - sh) << 23) | ((m & 0x3ffu) << 13);
-    }
-    float f; memcpy(&f, &b, 4); return f;
-}
-
-typedef struct { i64 idx, val, c; int delta16, fp16; } dec_t;    /* one rank's sections */
-
-/* Check every payload; fill r[nranks] and pos[] (all ranks' positions, rank order). Returns 0,
- * or 1 when the reference must run (malformed, flagged or non-finite). */
-static int decode_parse(const int32_t *w, i64 total, i64 numel, i64 nranks, dec_t *r,
-                        int32_t *pos, i64 cap) {
-    i64 p = 0, np = 0;
-    for (i64 k = 0; k < nranks; k++) {
-        if (p + 5 > total) return 1;
-        uint32_t magic = (uint32_t)w[p], w3 = (uint32_t)w[p + 3];
-        i64 n = w[p + 1], c = w[p + 2], t = w[p + 4];
-        if (magic != MAGIC_V2 || n != numel || c < 0 || c > numel || (w3 >> 24)) return 1;
-        uint32_t flags = w3 & 0xff, ic = (w3 >> 8) & 0xff, vc = (w3 >> 16) & 0xff;
-        if (ic > 1 || vc > 1 || (ic == 0 && t != c) || t < c || t > numel) return 1;
-        if (flags & 1) return 1;                                    /* FLAG_NONFINITE */
-        i64 iw = ic ? (t + 1) / 2 : c, vw = vc ? (c + 1) / 2 : c, start = p + 5;
-        if (start + iw + vw > total) return 1;
-        r[k].c = c; r[k].delta16 = (int)ic; r[k].fp16 = (int)vc;
-        r[k].idx = start; r[k].val = start + iw;
-        p = start + iw + vw;
-        if (!c) continue;
-        if (np + c > cap) return 1;
-        if (ic == 0) {
-            const int32_t *ix = w + start;
-            for (i64 j = 0; j < c; j++) {
-                if (ix[j] < 0 || ix[j] >= numel) return 1;
-                pos[np + j] = ix[j];
-            }
-        } else {
-            const uint16_t *tok = (const uint16_t *)(w + start);   /* low half first (LE) */
-            i64 at = -1, e = 0;
-            for (i64 j = 0; j < t; j++) {
-                uint32_t d = tok[j];
-                if (!d) { at += ESCAPE; continue; }
-                at += d;
-                if (e == c || at >= numel) return 1;
-                pos[np + e++] = (int32_t)at;
-            }
-            if (e != c) return 1;
-        }
-        if (vc == 0) {
-            const int32_t *v = w + r[k].val;
-            for (i64 j = 0; j < c; j++)
-                if (((uint32_t)v[j] & 0x7f800000u) == 0x7f800000u) return 1;
-        } else {
-            const uint16_t *v = (const uint16_t *)(w + r[k].val);
-            for (i64 j = 0; j < c; j++)
-                if ((v[j] & 0x7c00u) == 0x7c00u) return 1;
-        }
-        np += c;
-    }
-    return p == total ? 0 : 1;
-}
-
-static int decode_impl(const int32_t *w, i64 total, i64 numel, i64 nranks, float *out, int mode,
-                       float inv, int *declined) {
-    *declined = 1;
-    if (nranks < 0 || numel < 0 || total < 0) return 0;
-    i64 cap = 2 * total;                        /* entries fit in the words (>= 1/2 word each) */
-    dec_t *r = (dec_t *)malloc(sizeof(dec_t) * (size_t)(nranks ? nranks : 1));
-    int32_t *pos = (int32_t *)malloc(sizeof(int32_t) * (size_t)(cap ? cap : 1));
-    if (!r || !pos) { free(r); free(pos); return -1; }
-    if (decode_parse(w, total, numel, nranks, r, pos, cap)) { free(r); free(pos); return 0; }
-    *declined = 0;
-    if (mode & DEC_ZERO) memset(out, 0, sizeof(float) * (size_t)numel);
-    i64 np = 0;
-    for (i64 k = 0; k < nranks; k++) {
-        i64 c = r[k].c;
-        const int32_t *ps = pos + np;
-        if (mode & DEC_ADD) {
-            if (r[k].fp16) {
-                const uint16_t *v = (const uint16_t *)(w + r[k].val);
-                for (i64 j = 0; j < c; j++) out[ps[j]] = out[ps[j]] + half_to_float(v[j]);
-            } else {
-                const float *v = (const float *)(w + r[k].val);
-                for (i64 j = 0; j < c; j++) out[ps[j]] = out[ps[j]] + v[j];
-            }
-        }
-        np += c;
-    }
-    int rc = 0;
-    if ((mode & DEC_SCALE) && np) {             /* gathered before any write: each once */
-        float *tmp = (float *)malloc(sizeof(float) * (size_t)np);
-        if (!tmp) rc = -1;
-        else {
-            for (i64 j = 0; j < np; j++) tmp[j] = out[pos[j]] * inv;
-            for (i64 j = 0; j < np; j++) out[pos[j]] = tmp[j];
-            free(tmp);
-        }
-    }
-    free(r); free(pos);
-    return rc;
-}
-
-/* wire.split_bucket's walk over an allgathered bucket: for each of `nranks` segments
- * [BUCKET_MAGIC, n, then n times (member, payload)], the (member, start word, words) of every
- * payload, in order, into spans[3 * cap]. Returns how many, or -1 when the reference must run
- * (a segment it would reject: it raises the error; or more than cap entries). The payloads
- * themselves are checked when they are decoded. */
-static i64 split_impl(const int32_t *w, i64 total, i64 nranks, i64 members, i64 *spans, i64 cap) {
+/* wire.split_bucket's walk: per rank [BUCKET_MAGIC, entries, then (member, payload) each], the
+ * (member, start, words) of every payload into spans. Returns how many, or -1 (malformed). */
+static i64 split_impl(const int32_t *w, i64 total, i64 ranks, i64 members, i64 *spans) {
     i64 p = 0, e = 0;
-    for (i64 k = 0; k < nranks; k++) {
-        if (p + 2 > total || (uint32_t)w[p] != BUCKET_MAGIC) return -1;
-        i64 n = w[p + 1];
+    for (i64 r = 0; r < ranks; r++) {
+        if (p + 2 > total || (u32)w[p] != K.BUCKET_MAGIC) return -1;
+        const i64 n = w[p + 1];
         if (n < 0 || n > members) return -1;
         p += 2;
         for (i64 j = 0; j < n; j++) {
-            if (p + 1 > total) return -1;
-            i64 m = w[p], h = p + 1;
-            if (m < 0 || m >= members || h + 5 > total) return -1;
-            i64 c = w[h + 2], t = w[h + 4];
-            uint32_t w3 = (uint32_t)w[h + 3], ic = (w3 >> 8) & 0xff, vc = (w3 >> 16) & 0xff;
-            if (c < 0 || t < 0 || ic > 1 || vc > 1) return -1;
-            i64 len = 5 + (ic ? (t + 1) / 2 : c) + (vc ? (c + 1) / 2 : c);
-            if (h + len > total || e == cap) return -1;
-            spans[3 * e] = m; spans[3 * e + 1] = h; spans[3 * e + 2] = len;
+            header_t h;
+            if (p + 1 > total || w[p] < 0 || w[p] >= members || read_header(w, total, p + 1, &h)
+                || p + 1 + h.len > total)
+                return -1;
+            spans[3 * e] = w[p]; spans[3 * e + 1] = p + 1; spans[3 * e + 2] = h.len;
             e++;
-            p = h + len;
+            p += 1 + h.len;
         }
     }
     return p == total ? e : -1;
 }
 
-static PyObject *err(int rc) {
-    const char *what = rc == -1 ? "out of memory" : rc == -2 ? "sample draw outside [0, 1)"
-                     : rc == -3 ? "positions are not unique" : rc == -5 ? "bad batch row"
-                     : "payload buffer too small";
-    PyErr_Format(rc == -1 ? PyExc_MemoryError : PyExc_ValueError, "dgc_horovod kernel: %s", what);
-    return NULL;
-}
+/* ---- the Python functions --------------------------------------------------------------- */
+#define PTR(type, x) ((type)(uintptr_t)(x))
 
-static PyObject *py_all_finite(PyObject *self, PyObject *args) {
-    unsigned long long x; long long n; int threads = 1;
-    if (!PyArg_ParseTuple(args, "KL|i", &x, &n, &threads)) return NULL;
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    ok = finite_impl((const float *)(uintptr_t)x, n, threads);
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(ok);
-}
-
-static PyObject *py_step(PyObject *self, PyObject *args) {
-    unsigned long long g, u, v, uni, cidx, cmag, out = 0;
-    long long n, npos, ks, cap, k = 0;
-    int mode, fma, threads = 1;
-    double m, s;
-    if (!PyArg_ParseTuple(args, "KKKLiiddKLLKKL|iLK", &g, &u, &v, &n, &mode, &fma, &m, &s, &uni,
-                          &npos, &ks, &cidx, &cmag, &cap, &threads, &k, &out))
-        return NULL;
-    if (mode < 0 || mode > 2 || (mode && !u) || n < 0 || npos < 0 || (npos && (ks < 1 || ks > npos))) {
-        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel step: bad arguments");
-        return NULL;
+static PyObject *py_configure(PyObject *self, PyObject *args) {
+    PyObject *d;
+    if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &d)) return NULL;
+    for (size_t i = 0; i < NCONSTANTS; i++) {
+        PyObject *x = PyDict_GetItemString(d, CONSTANTS[i].name);
+        if (!x) return PyErr_Format(PyExc_KeyError, "configure: %s missing", CONSTANTS[i].name);
+        const unsigned long long val = PyLong_AsUnsignedLongLong(x);
+        if (PyErr_Occurred() || val > UINT32_MAX)
+            return PyErr_Format(PyExc_ValueError, "configure: bad %s", CONSTANTS[i].name);
+        *CONSTANTS[i].at = (u32)val;
     }
-    float thr = 0.0f;
-    i64 count = 0, nsel = -1;
-    int rc;
-    float mf = (float)m, sf = (float)s;
-    Py_BEGIN_ALLOW_THREADS
-    rc = step_impl(mode, fma ? 1 : 0, sf == 1.0f, (const float *)(uintptr_t)g,
-                   (float *)(uintptr_t)u, (float *)(uintptr_t)v, n, mf, sf,
-                   (const double *)(uintptr_t)uni, npos, ks, (i64 *)(uintptr_t)cidx,
-                   (float *)(uintptr_t)cmag, cap, threads, &thr, &count);
-    if (!rc && out && k > 0 && npos > 0 && thr > 0.0f && count <= cap)
-        nsel = select_candidates((const i64 *)(uintptr_t)cidx, (const float *)(uintptr_t)cmag,
-                                 count, k, (i64 *)(uintptr_t)out);
-    Py_END_ALLOW_THREADS
-    if (rc) return err(rc);
-    return Py_BuildValue("(dLL)", (double)thr, (long long)count, (long long)nsel);
-}
-
-static PyObject *py_finish(PyObject *self, PyObject *args) {
-    unsigned long long idx, v, u, vals, usent, payload;
-    long long c, cap_words, numel;
-    int mask_u, sort, flags;
-    if (!PyArg_ParseTuple(args, "KLKKiiKKKLLi", &idx, &c, &v, &u, &mask_u, &sort, &vals, &usent,
-                          &payload, &cap_words, &numel, &flags))
-        return NULL;
-    if (c < 0 || (mask_u && !u) || (usent && !u)) {
-        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel finish: bad arguments");
-        return NULL;
-    }
-    i64 words = 0;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = finish_impl((i64 *)(uintptr_t)idx, c, (float *)(uintptr_t)v, (float *)(uintptr_t)u, mask_u,
-                     sort, (float *)(uintptr_t)vals, (float *)(uintptr_t)usent,
-                     (int32_t *)(uintptr_t)payload, cap_words, numel, flags, &words);
-    Py_END_ALLOW_THREADS
-    if (rc) return err(rc);
-    return PyLong_FromLongLong(words);
-}
-
-static PyObject *py_step_many(PyObject *self, PyObject *args) {
-    unsigned long long d, f, o = 0, v = 0, u = 0, p = 0, uni = 0;
-    long long nt, nk = 0, nw = 0, nuni = 0; int threads = 1;
-    if (!PyArg_ParseTuple(args, "KKL|iKKKKLLKL", &d, &f, &nt, &threads, &o, &v, &u, &p, &nk,
-                          &nw, &uni, &nuni))
-        return NULL;
-    if (nt < 0 || (nt && (!d || !f)) || nk < 0 || nw < 0 || nuni < 0) {
-        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel step_many: bad arguments");
-        return NULL;
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = nt ? step_many_impl((i64 *)(uintptr_t)d, (double *)(uintptr_t)f, nt, threads,
-                             (i64 *)(uintptr_t)o, (float *)(uintptr_t)v, (float *)(uintptr_t)u,
-                             (int32_t *)(uintptr_t)p, (const double *)(uintptr_t)uni, nk, nw,
-                             nuni) : 0;
-    Py_END_ALLOW_THREADS
-    if (rc) return err(rc);
+    if (K.ESCAPE == 0 || K.HEADER_WORDS < 6 || K.INDEX_CODES > 256 || K.VALUE_CODES > 256)
+        return PyErr_Format(PyExc_ValueError, "configure: inconsistent constants");
+    configured = 1;
     Py_RETURN_NONE;
 }
 
-static PyObject *py_decode_sum(PyObject *self, PyObject *args) {
-    unsigned long long w, out; long long total, numel, nranks; int mode; double inv = 1.0;
-    if (!PyArg_ParseTuple(args, "KLLLKi|d", &w, &total, &numel, &nranks, &out, &mode, &inv))
+static int ready(void) {
+    if (!configured) PyErr_SetString(PyExc_RuntimeError, "dgc_horovod._kernels: not configured");
+    return configured;
+}
+
+static PyObject *py_compress(PyObject *self, PyObject *args) {
+    unsigned long long rows, scales, u, v, pay, sel, vals, usent;
+    long long nrows, nflat, nwords, nentries;
+    double m;
+    int mode, masking, delta16, fp16, threads;
+    if (!PyArg_ParseTuple(args, "KLKKKLdiiiiKLKKKLi", &rows, &nrows, &scales, &u, &v, &nflat, &m,
+                          &mode, &masking, &delta16, &fp16, &pay, &nwords, &sel, &vals, &usent,
+                          &nentries, &threads) || !ready())
         return NULL;
-    if (total < 0 || numel < 0 || nranks < 0 || (total && !w) || (numel && !out)
-            || mode & ~(DEC_ZERO | DEC_ADD | DEC_SCALE)) {
-        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel decode_sum: bad arguments");
+    if (nrows < 0 || (nrows && (!rows || !scales || !v)) || nflat < 0 || mode < 0 || mode > 2
+        || ((mode || masking) && !u) || (masking && !usent) || (nwords && !pay)
+        || (nentries && (!sel || !vals)) || nflat % BLOCK) {
+        PyErr_SetString(PyExc_ValueError, "dgc_horovod._kernels.compress: bad arguments");
         return NULL;
     }
-    int rc, declined;
-    float invf = (float)inv;
+    bucket_t b;
+    memset(&b, 0, sizeof b);
+    b.rows = PTR(i64 *, rows); b.scales = PTR(const double *, scales);
+    b.u = mode ? PTR(float *, u) : NULL; b.v = PTR(float *, v); b.m = (float)m; b.mode = mode;
+    b.masking = masking; b.delta16 = delta16; b.fp16 = fp16;
+    b.pay = PTR(int32_t *, pay); b.sel = PTR(i64 *, sel); b.vals = PTR(float *, vals);
+    b.usent = masking ? PTR(float *, usent) : NULL;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = decode_impl((const int32_t *)(uintptr_t)w, total, numel, nranks, (float *)(uintptr_t)out,
-                     mode, invf, &declined);
+    rc = nrows ? bucket_compress(&b, nrows, nflat, nwords, nentries, threads) : 0;
     Py_END_ALLOW_THREADS
-    if (rc) return err(rc);
-    return PyBool_FromLong(!declined);
+    if (rc == -1) return PyErr_NoMemory();
+    if (rc) return PyErr_Format(PyExc_ValueError, "dgc_horovod._kernels.compress: a row's "
+                                "sizes do not fit its buffers or its selection (%d)", rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    unsigned long long w, out;
+    long long total, numel, ranks;
+    int scale;
+    double inv;
+    if (!PyArg_ParseTuple(args, "KLLLKpd", &w, &total, &numel, &ranks, &out, &scale, &inv)
+        || !ready())
+        return NULL;
+    if (total < 0 || numel < 0 || ranks < 0 || (total && !w) || (numel && !out)) {
+        PyErr_SetString(PyExc_ValueError, "dgc_horovod._kernels.decode: bad arguments");
+        return NULL;
+    }
+    int rc;
+    const float invf = (float)inv;
+    Py_BEGIN_ALLOW_THREADS
+    rc = decode_impl(PTR(const int32_t *, w), total, numel, ranks, PTR(float *, out), scale, invf);
+    Py_END_ALLOW_THREADS
+    if (rc == -3) return PyErr_NoMemory();
+    return PyLong_FromLong(rc);
 }
 
 static PyObject *py_split_bucket(PyObject *self, PyObject *args) {
-    unsigned long long w, spans; long long total, nranks, members, cap;
-    if (!PyArg_ParseTuple(args, "KLLLKL", &w, &total, &nranks, &members, &spans, &cap))
+    unsigned long long w, spans;
+    long long total, ranks, members;
+    if (!PyArg_ParseTuple(args, "KLLLK", &w, &total, &ranks, &members, &spans) || !ready())
         return NULL;
-    if (total < 0 || nranks < 0 || members < 0 || cap < 0 || (total && !w) || (cap && !spans)) {
-        PyErr_SetString(PyExc_ValueError, "dgc_horovod kernel split_bucket: bad arguments");
+    if (total < 0 || ranks < 0 || members < 0 || (total && !w) || !spans) {
+        PyErr_SetString(PyExc_ValueError, "dgc_horovod._kernels.split_bucket: bad arguments");
         return NULL;
     }
     i64 n;
     Py_BEGIN_ALLOW_THREADS
-    n = split_impl((const int32_t *)(uintptr_t)w, total, nranks, members, (i64 *)(uintptr_t)spans,
-                   cap);
+    n = split_impl(PTR(const int32_t *, w), total, ranks, members, PTR(i64 *, spans));
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(n);
 }
 
 static PyMethodDef methods[] = {
-    {"all_finite", py_all_finite, METH_VARARGS, "all_finite(x, n) -> bool"},
-    {"step", py_step, METH_VARARGS, "step(g, u, v, n, mode, fma, m, s, uni, npos, ks, cidx, cmag, cap)"},
-    {"finish", py_finish, METH_VARARGS,
-     "finish(idx, c, v, u, mask_u, sort, vals, usent, payload, cap_words, numel, flags) -> words"},
-    {"step_many", py_step_many, METH_VARARGS, "step_many(desc, fdesc, count[, threads, out, vals, usent, payload, nk, nw, uni, nuni])"},
-    {"decode_sum", py_decode_sum, METH_VARARGS,
-     "decode_sum(words, total, numel, ranks, out, mode[, inv]) -> done"},
+    {"configure", py_configure, METH_VARARGS, "configure({name: value}): the constants"},
+    {"compress", py_compress, METH_VARARGS,
+     "compress(rows, nrows, scales, u, v, nflat, m, mode, masking, delta16, fp16, payload, "
+     "nwords, sel, vals, usent, nentries, threads)"},
+    {"decode", py_decode, METH_VARARGS,
+     "decode(words, total, numel, ranks, out, scale, inv) -> 0, 1 (non-finite), -1 (malformed)"},
     {"split_bucket", py_split_bucket, METH_VARARGS,
-     "split_bucket(words, total, ranks, members, spans, cap) -> entries or -1"},
+     "split_bucket(words, total, ranks, members, spans) -> entries, or -1 (malformed)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
-                                    "Fused CPU kernels of DGC's compress step.", -1, methods};
+                                    "The C engine of DGC (see dgc_horovod.core.c_engine).", -1,
+                                    methods};
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     pthread_atfork(NULL, NULL, pool_after_fork_child);
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "SMALL_NUMEL", (long)SMALL_NUMEL)
-              || PyModule_AddIntConstant(m, "NONFINITE", NONFINITE))) {
+    if (m && PyModule_AddIntConstant(m, "BLOCK", BLOCK)) {
         Py_DECREF(m);
         return NULL;
     }

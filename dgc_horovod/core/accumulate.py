@@ -6,14 +6,15 @@ g gradient, u velocity (momentum buffer), v accumulated velocity (the residual, 
 """
 import math
 
-__all__ = ["clip_threshold", "clip_factor", "clip_by_local_norm", "global_norm",
+__all__ = ["CLIP_EPS", "clip_threshold", "clip_factor", "clip_by_local_norm", "global_norm",
            "add_weight_decay", "weight_decay_momentum", "momentum_correction", "clear_sent",
            "restore_sent"]
 
-_EPS = 1e-6
+#: What clip_factor adds to the norm (as torch.nn.utils.clip_grad_norm_ does).
+CLIP_EPS = 1e-6
 
 
-def clip_threshold(clip_norm, world_size, average=True):
+def clip_threshold(clip_norm, world_size, average=True, sqrt=math.sqrt):
     """The local clipping threshold of §3.2 for the gradient Horovod hands one rank.
 
     Algorithm 1 clips the local contribution that nodes *sum*, ∇k = (1/(N·b))·Σ∇f, to
@@ -25,16 +26,19 @@ def clip_threshold(clip_norm, world_size, average=True):
     * ``op=hvd.Sum``: g_k is itself the summed contribution, so ‖g_k‖ ≤ C·N^(-1/2).
 
     Args: clip_norm (float): C, the threshold of a dense clip of the reduced gradient.
-        world_size (int): N >= 1. average (bool): op=Average (True) or op=Sum (False).
-    Returns: float, the threshold on ‖g_k‖.
+        world_size (int, or a float64 scalar tensor with ``sqrt`` its square root op): N >= 1.
+        average (bool): op=Average (True) or op=Sum (False).
+    Returns: float (a tensor of ``sqrt``'s), the threshold on ‖g_k‖.
     """
-    root = math.sqrt(world_size)      # correctly rounded, as the TensorFlow graph's tf.sqrt
+    root = sqrt(world_size)           # correctly rounded: math.sqrt and tf.sqrt alike
     return clip_norm * root if average else clip_norm * (1.0 / root)
 
 
-def clip_factor(norm, threshold):
-    """s = min(1, threshold / (norm + 1e-6)), the factor of ``torch.nn.utils.clip_grad_norm_``."""
-    return min(1.0, threshold / (float(norm) + _EPS))
+def clip_factor(norm, threshold, minimum=min):
+    """s = min(1, threshold / (norm + CLIP_EPS)), the factor of
+    ``torch.nn.utils.clip_grad_norm_``, for a float norm (or, with ``minimum`` the framework's,
+    a float64 scalar tensor: the TensorFlow graph's)."""
+    return minimum(1.0, threshold / (norm + CLIP_EPS))
 
 
 def global_norm(B, grads):

@@ -1,25 +1,22 @@
 """The small tensor interface the DGC core is written against, and its NumPy implementation.
 
-The core (:mod:`accumulate`, :mod:`sparsify`, :mod:`wire`, :mod:`compressor`) never imports a
-framework; it calls these methods on flat (1-D) tensors. `NumpyBackend` is the reference used by
-the tests; the PyTorch and TensorFlow adapters provide their own. Methods ending in ``_`` update
-their first argument in place.
+The core (:mod:`accumulate`, :mod:`sparsify`, :mod:`wire`, :mod:`compressor`, the tensor-op
+engine of :mod:`engine`) never imports a framework; it calls these methods on flat (1-D) tensors.
+`NumpyBackend` runs the reference; the PyTorch and TensorFlow adapters provide their own. Methods
+ending in ``_`` update their first argument in place. Integer tensors also take Python's ``&``,
+``^``, ``>>``, ``<<``, ``+``, ``-``, ``*`` and comparisons (the sampling hash,
+:func:`~dgc_horovod.core.sparsify.mix32`).
 """
-import copy
-
 import numpy as np
 
-from dgc_horovod.core.sparsify import sample_positions
 
 __all__ = ["Backend", "NumpyBackend"]
-
-_UNKNOWN = object()
 
 
 class Backend:
     """Operations on flat tensors used by the DGC core. Every method must be implemented, except
-    the fused-kernel hooks at the end (kernel_ptr, kernel_fma, kernel_threads, sample_uniform,
-    empty, copy): their defaults opt out of :mod:`dgc_horovod.core.kernels`.
+    the engine hooks at the end (kernel_ptr, kernel_threads, kernel_grad_ptr, kernel_words_ptr,
+    empty, copy, device_engine): their defaults opt out of the C and Triton engines.
 
     Conventions: "float tensor" = float32, "index tensor" = int64 (positions in a flat tensor),
     "words" = int32. Scalars may be Python floats or 0-d tensors of the backend.
@@ -48,8 +45,6 @@ class Backend:
     # --- selection
     def topk_indices(self, x, k): raise NotImplementedError    # indices of the k largest of x
     def kth_largest(self, x, k): raise NotImplementedError     # the k-th largest value, scalar
-    def sample(self, x, s, generator): raise NotImplementedError  # s entries drawn uniformly,
-                                                         # at sparsify.sample_positions
     def indices_where_ge(self, x, t): raise NotImplementedError  # positions where x >= t
     def drop_zeros(self, idx, mag): raise NotImplementedError  # idx where mag > 0
     def take(self, x, idx): raise NotImplementedError          # x[idx]
@@ -70,7 +65,6 @@ class Backend:
     def slice(self, x, a, b): raise NotImplementedError
     def to_list(self, x): raise NotImplementedError            # small tensor -> list of ints
     def min_max(self, x): raise NotImplementedError            # -> (int, int)
-    def generator(self, seed): raise NotImplementedError       # random generator for sample()
     # --- wire v2 (index deltas, fp16); functional: they return new tensors
     def sort(self, idx): raise NotImplementedError             # ascending
     def int64_tensor(self, values, like): raise NotImplementedError
@@ -88,20 +82,17 @@ class Backend:
     # --- checkpoints (DGCCore.state_dict / load_state_dict); state is restored with float32_flat
     def state_copy(self, x): raise NotImplementedError         # copy of a state tensor, detached
                                                                # from later in-place updates
-    def generator_state(self, generator): raise NotImplementedError  # a copy of its state
-    def set_generator_state(self, generator, state): raise NotImplementedError
-    # --- fused CPU kernels (dgc_horovod.core.kernels). Optional: these defaults opt out, and the
-    #     core then runs the tensor ops above. A backend that opts in implements all five.
+    # --- engines (dgc_horovod.core.engine). Optional: these defaults opt out, and the core then
+    #     runs the tensor-op engine on the methods above.
+    def device_name(self, x): return "a device"          # where x lives, for messages
+    def device_engine(self, like, required=False):       # the engine for tensors like ``like``
+        if required:                                     # outside host memory (the Triton
+            raise ValueError(f"DGC(engine='triton'): the {self.name} backend has no Triton "
+                             "engine; use engine='auto'")  # kernels), None: tensor ops
+        return None
     def kernel_ptr(self, x): return None                 # address (int) of x's first element if
                                                          # the C kernels may read and write it
                                                          # (host memory, contiguous), else None
-    def kernel_fma(self): return None                    # True / False: its float32 a*b + c
-                                                         # rounds once / twice (kernels.calibrate);
-                                                         # None: never use the kernels
-    def sample_uniform(self, s, generator, out=None): raise NotImplementedError  # float64
-                                                         # (s,): the uniforms in [0, 1) sample()
-                                                         # draws (written into out, a float64
-                                                         # (s,) tensor, when given)
     def empty(self, n, dtype, like): raise NotImplementedError  # uninitialised (n,) tensor of
                                                          # dtype "float32", "float64", "int64" or
                                                          # "int32"
@@ -112,14 +103,14 @@ class Backend:
                                                          # a float32 contiguous host tensor (no
                                                          # view or copy made), else None
     def kernel_words_ptr(self, x): return None           # the same for int32 words (a received
-                                                         # payload: kernels.decode_sum)
+                                                         # payload: the C engine's decode)
     def split(self, x, sizes):                           # consecutive views of x of these sizes
         out, a = [], 0                                   # (sum(sizes) == numel(x))
         for n in sizes:
             out.append(self.slice(x, a, a + n))
             a += n
         return out
-    # --- buckets on tensor ops (dgc_horovod.core.bucket_ops): O(1) calls per bucket
+    # --- a bucket's flat state (dgc_horovod.core.engine.FlatState)
     def flat_cat(self, xs, block=1, reuse=False):        # float32 1-D concatenation of the
         zeros = self.zeros(block - 1, like=xs[0]) if block > 1 else None  # tensors xs (any
         parts = []                                       # shape, floating), each followed by
@@ -134,40 +125,15 @@ class Backend:
                 for a, n in zip(offsets, sizes)]         # it (in-place updates of one show in
                                                          # the other), or None when the backend
                                                          # has no such views
-    def block_max_abs(self, x, block): raise NotImplementedError  # float32 (numel(x)/block,):
-                                                         # max |x| of each block of x, NaN for a
-                                                         # block holding a NaN
-    def take_blocks(self, x, blocks, block): raise NotImplementedError  # the blocks (int64
-                                                         # indices) of block elements of x, one
-                                                         # after the other (flat)
-    def block_candidates(self, x, blocks, t, block):    # (positions, magnitudes): the
-        mag = self.abs(self.take_blocks(x, blocks, block))  # positions p of x, ascending, in
-        at = self.indices_where_ge(mag, self.repeat_each(t, block))  # the blocks (ascending
-        return (self.take(blocks, at // block) * block + at % block,  # int64 indices) of
-                self.take(mag, at))                      # block elements with |x[p]| >= t[i]
-                                                         # (t: float32, one per block), and
-                                                         # those |x[p]| (NaN: never)
     def copy_(self, x, y): raise NotImplementedError     # x[:] = y (same numel)
     def arange(self, n, like): raise NotImplementedError  # int64 0 .. n-1
     def to_int64(self, x): raise NotImplementedError     # integer tensor -> int64
-    def repeat(self, x, counts): raise NotImplementedError  # x[j] repeated counts[j] times (a
-                                                         # short list of ints), in order
-    def repeat_each(self, x, n): raise NotImplementedError  # every x[j] repeated n times
-    def searchsorted(self, a, x): raise NotImplementedError  # int64: for each x, the number of
-                                                         # entries of the ascending int64 a < x
-    def sample_uniform_many(self, counts, generator, like):  # float64: the uniforms of one
-        return self.sample_uniform(sum(counts), generator)  # sample() per count, in order
-    def sample_positions_many(self, u, sizes, counts, offsets, like):  # int64: offsets[j] +
-        raise NotImplementedError                        # sparsify.sample_positions of u's
-                                                         # counts[j] draws for a tensor of
-                                                         # sizes[j] elements
 
 
 class NumpyBackend(Backend):
     """Reference backend on NumPy arrays (float32 state, int64 indices)."""
 
     name = "numpy"
-    _fma = _UNKNOWN     # kernel_fma(): calibrated on first use
 
     def numel(self, x): return int(x.size)
     def ndim(self, x): return int(np.ndim(x))
@@ -205,8 +171,6 @@ class NumpyBackend(Backend):
         return np.argpartition(-x, k - 1)[:k].astype(np.int64)
 
     def kth_largest(self, x, k): return np.partition(x, x.size - k)[x.size - k]
-    def sample(self, x, s, generator):
-        return x[sample_positions(self.sample_uniform(s, generator), x.size)]
     def indices_where_ge(self, x, t): return np.flatnonzero(x >= t).astype(np.int64)
     def drop_zeros(self, idx, mag): return idx[mag > 0]
     def take(self, x, idx): return x[idx]
@@ -229,7 +193,6 @@ class NumpyBackend(Backend):
     def slice(self, x, a, b): return x[a:b]
     def to_list(self, x): return [int(i) for i in x]
     def min_max(self, x): return int(x.min()), int(x.max())
-    def generator(self, seed): return np.random.default_rng(seed)
 
     def sort(self, idx): return np.sort(idx)
     def int64_tensor(self, values, like=None): return np.asarray(values, dtype=np.int64)
@@ -269,10 +232,8 @@ class NumpyBackend(Backend):
             return x.astype(np.float16).astype(np.float32)
 
     def state_copy(self, x): return np.array(x, dtype=np.float32, copy=True)
-    def generator_state(self, generator): return copy.deepcopy(generator.bit_generator.state)
+    def device_name(self, x): return "the host"
 
-    def set_generator_state(self, generator, state):
-        generator.bit_generator.state = copy.deepcopy(state)
 
     _DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32,
                "float64": np.float64}
@@ -293,37 +254,15 @@ class NumpyBackend(Backend):
             return x.ctypes.data
         return None
 
-    def kernel_fma(self):
-        if self._fma is _UNKNOWN:
-            from dgc_horovod.core import kernels
-            rng = np.random.default_rng(1234)
-            self._fma = kernels.calibrate(self, rng.standard_normal(4099).astype(np.float32),
-                                          rng.standard_normal(4099).astype(np.float32))
-        return self._fma
 
-    def sample_uniform(self, s, generator, out=None):
-        if out is not None:                  # (a float64 buffer of s entries)
-            generator.random(out=out)
-            return out
-        return generator.random(s)
     def empty(self, n, dtype, like=None): return np.empty(n, dtype=self._DTYPES[dtype])
     def copy(self, x): return x.copy()
 
     def copy_(self, x, y):
         x[...] = y
 
-    def block_max_abs(self, x, block):
-        x = x.reshape(-1, block)
-        return np.maximum(x.max(axis=1), -x.min(axis=1))    # NaN propagates
 
-    def take_blocks(self, x, blocks, block): return x.reshape(-1, block)[blocks].reshape(-1)
     def arange(self, n, like=None): return np.arange(n, dtype=np.int64)
     def to_int64(self, x): return x.astype(np.int64)
-    def repeat(self, x, counts): return np.repeat(x, counts)
-    def repeat_each(self, x, n): return np.repeat(x, n)
-    def searchsorted(self, a, x): return np.searchsorted(a, x, side="left").astype(np.int64)
 
-    def sample_positions_many(self, u, sizes, counts, offsets, like=None):
-        n = np.repeat(np.asarray(sizes, dtype=np.int64), counts)
-        return sample_positions(u, n) + np.repeat(np.asarray(offsets, dtype=np.int64), counts)
 

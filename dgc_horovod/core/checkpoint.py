@@ -3,9 +3,10 @@
 the model (its tensor names and sizes).
 
 Not a step of the paper: resuming a run bit-identically needs every worker's residuals u and v
-(Algorithm 1's state), the warm-up position (§3.3), the threshold-sampling generator (§5) and the
-statistics. :meth:`DGCCore.state_dict` and :meth:`DGCCore.load_state_dict` call :func:`make` and
-:func:`read`; every check of a load runs before the core changes anything.
+(Algorithm 1's state), the warm-up position (§3.3: the step count, which with the seed also fixes
+the threshold's samples, §5) and the statistics. :meth:`DGCCore.state_dict` and
+:meth:`DGCCore.load_state_dict` call :func:`make` and :func:`read`; every check of a load runs
+before the core changes anything.
 """
 from collections.abc import Mapping
 
@@ -15,20 +16,22 @@ from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.core.stats import ADDED_FIELDS, CompressionStats, StatsRecorder
 from dgc_horovod.core.warmup import density_at
 
-__all__ = ["STATE_DICT_VERSION", "STATE_KEYS", "make", "read", "restore_generator", "FitCheck"]
+__all__ = ["STATE_DICT_VERSION", "STATE_KEYS", "make", "read", "FitCheck"]
 
 #: Version of the dict written by :meth:`DGCCore.state_dict` (checked on load). Version 3 added
 #: ``loss_scale``, the loss scale the residuals are in (:meth:`DGCCore.set_loss_scale`); a
 #: version-2 dict still loads, its scale unknown: the next set_loss_scale adopts the scale of
 #: its step without rescaling (what DGC did before version 3: it kept u and v in the units of
-#: the gradients it was handed). Other versions are refused.
-STATE_DICT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+#: the gradients it was handed). Version 4 dropped ``generator``: the samples are a hash of
+#: (seed, tensor, step) (:mod:`~dgc_horovod.core.sparsify`); an older dict's generator is
+#: ignored. Other versions are refused.
+STATE_DICT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 #: Options added to DGCConfig since version 2, with the value an older checkpoint (which lacks
 #: them) was trained with.
 ADDED_OPTIONS = {"exchange": "allgather"}
 STATE_KEYS = ("version", "config", "epoch", "steps", "world_size", "rank", "tensors",
-              "generator", "total_stats", "step_stats", "loss_scale")
+              "total_stats", "step_stats", "loss_scale")
 #: The keys a version-2 dict lacks.
 ADDED_IN_3 = ("loss_scale",)
 
@@ -48,11 +51,10 @@ def _stats_from(d, key):
     return out
 
 
-def make(B, config, epoch, steps, world_size, rank, states, generator, stats, loss_scale=1.0):
+def make(B, config, epoch, steps, world_size, rank, states, stats, loss_scale=1.0):
     """The state dict of :meth:`DGCCore.state_dict` (see there), with copies of the tensors:
     B (Backend), config (DGCConfig), epoch (float), steps (int), world_size / rank (int or None),
-    states ({name: TensorState}), generator (the backend's), stats (StatsRecorder), loss_scale
-    (float, or None: unknown)."""
+    states ({name: TensorState}), stats (StatsRecorder), loss_scale (float, or None: unknown)."""
     copy = (lambda t: None if t is None else B.state_copy(t))
     tensors = {name: {"numel": st.numel, "ndim": st.ndim, "sparse": st.sparse,
                       "u": copy(st.u), "v": copy(st.v), "wd": copy(st.wd)}
@@ -65,7 +67,6 @@ def make(B, config, epoch, steps, world_size, rank, states, generator, stats, lo
         "world_size": world_size,
         "rank": rank,
         "tensors": tensors,
-        "generator": B.generator_state(generator),
         "total_stats": _stats_dict(stats.total),
         "step_stats": _stats_dict(stats.step),
         "loss_scale": loss_scale,
@@ -73,8 +74,7 @@ def make(B, config, epoch, steps, world_size, rank, states, generator, stats, lo
 
 
 def read(B, config, state_dict, world_size=None, rank=None, reset_residuals=False):
-    """Every check of :meth:`DGCCore.load_state_dict` but the generator's
-    (:func:`restore_generator`); changes nothing.
+    """Every check of :meth:`DGCCore.load_state_dict`; changes nothing.
 
     Returns:
         (tensors, epoch, steps, stats, loss_scale): tensors {name: (numel, sparse, u, v, ndim,
@@ -176,16 +176,6 @@ def _tensors_from(B, c, tensors):
     return out
 
 
-def restore_generator(B, generator, state):
-    """Set the backend generator to the saved ``state`` (the last check of a load: a
-    ValueError when the backend cannot restore it)."""
-    try:
-        B.set_generator_state(generator, state)
-    except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        raise ValueError(f"DGC state_dict 'generator' cannot be restored on the "
-                         f"{B.name} backend: {e}") from e
-
-
 class FitCheck:
     """After a load with tensor states: the loaded names and sizes, checked against the model's
     until the first step after the load has completed (:meth:`DGCCore.check_fit`)."""
@@ -253,5 +243,5 @@ def _misfit(stale, missing, resized=None):
         "or by another model (a resized layer)? Resuming from it would start fresh residuals "
         "under the new names and carry the stale ones into every later checkpoint. Load the "
         "matching file, or load this one with dgc.load_state_dict(state_dict, "
-        "reset_residuals=True): config, warm-up position and generator are kept, the residuals "
+        "reset_residuals=True): config and warm-up position are kept, the residuals "
         "restart at zero")

@@ -24,17 +24,10 @@ it (the same by linearity; ours lets Horovod's allreduce carry the velocity).
 The warm-up (§3.3) counts the optimizer steps DGC sees (:attr:`DGCCore.steps`, saved in
 checkpoints) unless ``warmup_epochs`` makes it follow ``set_epoch``.
 
-On CPU tensors (NumPy, or torch in host memory) the sparse branch of compress runs as two calls
-of the fused C kernels of :mod:`dgc_horovod.core.kernels` (one memory pass for the accumulation,
-the selection and encoding on the few candidates) instead of ~40 tensor ops; CUDA tensors,
-TensorFlow tensors (the TF adapter where TensorFlow sees a GPU), or ``use_kernels = False`` use
-the tensor ops of :mod:`accumulate`, :mod:`sparsify` and :mod:`wire`. Both paths give
-bit-identical results.
-:meth:`DGCCore.compress_many` (the bucket driver, :mod:`driver`) compresses a bucket of tensors
-in one batch-kernel call (same results as one compress per tensor, with far less per-tensor
-overhead, spread over threads), or, on tensor ops, with :mod:`bucket_ops`: the same steps over
-the bucket's flat u and v (each tensor's u and v are views of one buffer each), O(1) backend
-calls per bucket instead of dozens per tensor, same results.
+The sparsified tensors' steps run in an engine (:mod:`dgc_horovod.core.engine`: the C kernels on
+tensors in host memory, the Triton kernels on CUDA tensors, tensor ops otherwise; the same bits
+on every one): :meth:`DGCCore.compress_many` hands a bucket of them to one engine call
+(:mod:`driver`), :meth:`DGCCore.compress` a bucket of one.
 
 Tensors that are not sparsified (:func:`~dgc_horovod.core.sparsify.is_sparse`: by default
 those with fewer than 2 dimensions, biases and normalisation scales, as in the reference code)
@@ -42,7 +35,8 @@ skip selection: their momentum-corrected velocity (u, or g + m·u with Nesterov)
 Horovod's dense allreduce, which by linearity gives exactly momentum SGD on them.
 
 Non-finite gradients: a tensor whose local gradient has NaN/Inf is not accumulated (u and v stay
-as they were); with weight decay the gradient checked is g + λ·param, what would be accumulated. Its rank sends an empty payload flagged FLAG_NONFINITE (or, for dense tensors, the
+as they were); with weight decay the gradient checked is g + λ·param, what would be accumulated.
+Its rank sends a payload without entries flagged FLAG_NONFINITE (or, for dense tensors, the
 NaN gradient itself); every rank then returns NaN for that tensor — as a dense allreduce would —
 and the ranks that had sent entries put them back into their residual, so nothing is lost. A
 loss-scaling skip (torch.amp GradScaler) therefore skips the step on every rank alike. The scaler
@@ -51,12 +45,10 @@ skips the whole step, the tensors whose update was finite too: with ``skip_nonfi
 also puts back the entries every finite exchange of the step sent and the separate weight
 decay's buffers, whichever tensor's result comes first. A dense tensor's u ← m·u + g of that
 step stays (its result was sent as it was computed; the step's g stays in its momentum). (The
-fused path checks every element exactly; the tensor-op path of the torch backend checks the
-float32 sum, so it also counts finite gradients whose sum overflows as non-finite; in a bucket
-it checks the bucket's sum first, and each tensor's sum only when that one is not finite.) A sparsified
-tensor's sample draws (s uniforms, see sparsify.sample_count) are drawn, and dropped, in a
-non-finite step too, so the random stream depends only on which tensors are compressed: one
-compress_many call draws a bucket's samples at once, before it knows which gradients are finite.
+tensor-op engine on the torch backend checks the float32 sum, so it also counts finite gradients
+whose sum overflows float32 as non-finite; the C and Triton engines check every element.) The
+threshold's samples depend only on (seed, tensor, step) (:mod:`~dgc_horovod.core.sparsify`), so a
+non-finite step changes no later draw.
 
 Mixed precision (:mod:`~dgc_horovod.core.precision`): float16 wire values overflow as a dense
 float16 exchange does (sent as ±inf: the step is non-finite on every rank alike, as above, and
@@ -69,18 +61,17 @@ import threading
 import time
 import warnings
 
-from dgc_horovod.core.accumulate import (add_weight_decay, clear_sent, clip_by_local_norm,
-                                         clip_factor, clip_threshold, global_norm,
-                                         momentum_correction, restore_sent,
-                                         weight_decay_momentum)
+from dgc_horovod.core.accumulate import (add_weight_decay, clip_by_local_norm, clip_factor,
+                                         clip_threshold, global_norm, momentum_correction,
+                                         restore_sent, weight_decay_momentum)
 from dgc_horovod.core.checkpoint import STATE_DICT_VERSION, FitCheck
 from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.driver import BucketDriver
-from dgc_horovod.core.sparsify import is_sparse, k_for, sample_count, select_topk
+from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.core.state import SparseContext, TensorState
 from dgc_horovod.core.stats import PLACEHOLDER_BYTES, StatsRecorder
 from dgc_horovod.core.warmup import density_at, density_at_step
-from dgc_horovod.core import checkpoint, kernels, precision, regions, wire
+from dgc_horovod.core import checkpoint, precision, regions, wire
 
 __all__ = ["DGCCore", "TensorState", "SparseContext", "PLACEHOLDER_BYTES", "STATE_DICT_VERSION"]
 
@@ -108,11 +99,8 @@ class DGCCore:
         config (DGCConfig): the hyper-parameters.
         backend (Backend): tensor operations (NumPy, PyTorch, TensorFlow).
 
-    Thread-safe: compress may be called from autograd threads.
-
-    Attribute ``use_kernels`` (bool): run the fused C kernels (:mod:`dgc_horovod.core.kernels`)
-    for sparsified tensors that live in host memory, when they are built and the backend supports
-    them (default); False runs the tensor ops everywhere. Both give bit-identical results.
+    Thread-safe: compress may be called from autograd threads. The engine of each bucket follows
+    ``config.engine`` (:meth:`BucketDriver.engine_for`).
     """
 
     def __init__(self, config, backend):
@@ -122,11 +110,10 @@ class DGCCore:
         self.B = backend
         self.states = {}
         self.epoch = 0.0
-        self._generator = backend.generator(config.seed)
         self._lock = threading.Lock()
         self._region_sums = {}      # exchange="regions": name -> zeros of this rank's region
         self._stats = StatsRecorder()
-        self.use_kernels = kernels.available() and backend.kernel_fma() is not None
+        self._engines = {}      # name -> engine (BucketDriver.engine_for)
         self._steps = 0         # optimizer steps begun (the warm-up position counts them)
         self._epoch_set = False
         self._warned = set()
@@ -147,9 +134,9 @@ class DGCCore:
         self._skipped = False    # this step has had a non-finite update
 
     # the statistics, counted by the core's StatsRecorder
-    step_stats = property(lambda self: self._stats.step, doc=(
+    step_stats = property(lambda self: self._read_device().step, doc=(
         "The current (or last) step's :class:`~dgc_horovod.core.stats.CompressionStats`."))
-    total_stats = property(lambda self: self._stats.total, doc=(
+    total_stats = property(lambda self: self._read_device().total, doc=(
         "The cumulative :class:`~dgc_horovod.core.stats.CompressionStats` of this rank."))
 
     # ----------------------------------------------------------------- warm-up
@@ -170,6 +157,13 @@ class DGCCore:
                                    c.warmup_initial_density, c.warmup_per_step)
         return density_at(self.epoch, c.compress_ratio, c.warmup_epochs,
                           c.warmup_initial_density, c.warmup_per_step)
+
+    def _read_device(self):
+        """What an engine on a device left there until now: the decode checks it deferred
+        (:meth:`decompress_bucket`: raises their WireFormatError) and the statistics' counts.
+        Returns the StatsRecorder."""
+        self._driver.check_deferred()
+        return self._stats.resolve()
 
     def _warn_once(self, key, message):
         if key not in self._warned:
@@ -289,9 +283,9 @@ class DGCCore:
         """Everything needed to resume this worker bit-identically, as a plain dict.
 
         Call it between steps (not between a compress and its decompress). The dict holds copies,
-        so later training does not change it. Its tensors are backend tensors (float32 u and v;
-        the generator state as the backend keeps it); the rest is Python scalars, strings and
-        dicts, so ``torch.save`` / ``torch.load(weights_only=True)`` or pickle can store it.
+        so later training does not change it. Its tensors are backend tensors (float32 u and v);
+        the rest is Python scalars, strings and dicts, so ``torch.save`` /
+        ``torch.load(weights_only=True)`` or pickle can store it.
 
         Args:
             world_size (int or None), rank (int or None): the job this state belongs to. The
@@ -302,13 +296,12 @@ class DGCCore:
             and wd are in, :meth:`set_loss_scale`; None after loading a version-2 checkpoint,
             until the next set_loss_scale), world_size, rank, tensors
             ({name: {numel, ndim, sparse, u, v, wd}}; u is None with momentum 0, v is None for
-            dense tensors, wd is the separate weight decay's momentum buffer or None), generator (the threshold-sampling generator's state),
+            dense tensors, wd is the separate weight decay's momentum buffer or None),
             total_stats and step_stats (CompressionStats counters as dicts).
         """
         with self._lock:
             return checkpoint.make(self.B, self.config, self.epoch, self._steps, world_size,
-                                   rank, self.states, self._generator, self._stats,
-                                   self._loss_scale)
+                                   rank, self.states, self._read_device(), self._loss_scale)
 
     def load_state_dict(self, state_dict, world_size=None, rank=None, reset_residuals=False):
         """Restore what :meth:`state_dict` returned; all checks run before anything changes.
@@ -319,7 +312,7 @@ class DGCCore:
             world_size (int or None), rank (int or None): the job loading it. When both the
                 checkpoint and the caller give them and they differ, loading is refused, since
                 a residual belongs to the rank that accumulated it.
-            reset_residuals (bool): keep config, warm-up epoch, generator and statistics but drop
+            reset_residuals (bool): keep config, warm-up position and statistics but drop
                 every tensor's velocity u and residual v (they restart at zero). Allowed with a
                 different world size or rank. The dropped residual is gradient that was never
                 applied: a small one-off perturbation of training.
@@ -336,7 +329,6 @@ class DGCCore:
         tensors, epoch, steps, stats, loss_scale = checkpoint.read(
             self.B, self.config, state_dict, world_size, rank, reset_residuals)
         with self._lock:
-            checkpoint.restore_generator(self.B, self._generator, state_dict["generator"])
             self.states = {name: TensorState(name, *t) for name, t in tensors.items()}
             self._driver = BucketDriver(self)
             self._new_step_records()
@@ -443,24 +435,14 @@ class DGCCore:
             than 2**31-1 elements, or param is None with weight_decay > 0. In all these cases no
             state is modified.
         """
-        self._check_args(name, grad, param)
-        self._check_scale(clip_scale)
-        t0 = time.perf_counter()
-        with self._lock:
-            self._begin(name)
-            return self._compress_locked(name, grad, world_size, param, t0, average, clip_scale)
+        return self._driver.compress_many([(name, grad, param)], world_size, average,
+                                          clip_scale)[0]
 
     def compress_many(self, entries, world_size, average=True, clip_scale=None):
-        """Compress several gradients at once (a bucket): the same results, state and random
-        draws as ``[self.compress(name, grad, world_size, param) for name, grad, param in
-        entries]``, but on the fused path one kernel call does every sparsified tensor's
-        finiteness check and one more does the accumulation, selection and encoding, spread over
-        the backend's threads (:class:`kernels.Batch`). Tensors the fused path does not cover
-        (dense, CUDA, float16 wire values, non-finite, ...) run as in :meth:`compress`. On
-        tensor ops (``use_kernels = False``, CUDA or TensorFlow tensors) the sparsified tensors of
-        a bucket with the default wire format (delta16 indices, float32 values) run as one
-        bucket (:mod:`~dgc_horovod.core.bucket_ops`: O(1) backend calls whatever the number of
-        tensors); other wire formats run one :meth:`compress` per tensor.
+        """Compress several gradients at once (a bucket): the same results and state as
+        ``[self.compress(name, grad, world_size, param) for name, grad, param in entries]``
+        (a tensor's selection depends only on its own state, seed, name and step), with one
+        engine call for all the sparsified ones (:mod:`driver`).
 
         Args:
             entries: sequence of (name, grad, param) tuples (param None unless weight_decay > 0);
@@ -469,51 +451,27 @@ class DGCCore:
                 (one clip_scale for the whole step).
         Returns:
             list of the :meth:`compress` results, in the order of ``entries``. The statistics'
-            compress_seconds of the batched tensors is the batch's time shared by element count.
+            compress_seconds of the sparsified tensors is the engine call's time shared by
+            element count.
         Raises:
             TypeError / ValueError: as :meth:`compress` (a non-floating gradient, a changed size,
             a repeated name); every entry is checked before any state changes.
         """
         return self._driver.compress_many(entries, world_size, average, clip_scale)
 
-    def _compress_locked(self, name, grad, world_size, param, t0, average=True,
-                         clip_scale=None):
-        """The body of :meth:`compress` (self._lock held)."""
-        B, c = self.B, self.config
-        st = self._state(name, grad)
-        g = B.float32_view(grad)                  # read only from here on
-        density = self.density
-        if not st.sparse:
-            return self._compress_dense(st, g, world_size, param, t0, average, clip_scale,
-                                        density)
-        plan = kernels.usable_plan(B, st, g, c, density, self.use_kernels)
-        # the gradient that is accumulated is the one checked for NaN/Inf (with weight decay a
-        # NaN parameter must not reach the residual either)
-        g, scale = self._accumulated(g, param, world_size, average, clip_scale)
-        gp = B.kernel_ptr(g) if plan else None
-        threads = B.kernel_threads() if gp is not None else 1
-        if not (kernels.all_finite(st.numel, gp, threads) if gp is not None
-                else B.all_finite(g)):
-            return self._nonfinite(st, g, t0, drawn=False)
-        if gp is not None:                        # the fused kernels
-            idx = kernels.accumulate_select(B, c, self._generator, st, plan, density, g, gp,
-                                            scale, threads)
-            return self._fused_finish(st, plan, idx, t0, density)
-        momentum_correction(B, st.u, st.v, g, c.momentum, c.nesterov, scale)
-        k = k_for(st.numel, density)
-        idx = select_topk(B, st.v, k, c.sample_ratio, c.exact_topk, self._generator)
-        return self._finish_ops(st, idx, t0)
-
-    def _compress_dense(self, st, g, world_size, param, t0, average, clip_scale, density):
-        """The body of :meth:`compress` for a tensor that is not sparsified (lock held; g its
-        flat float32 gradient): clip, check, then its velocity for the dense allreduce, a new
+    def _compress_dense(self, st, grad, world_size, param, t0, average, clip_scale):
+        """The body of :meth:`compress` for a tensor that is not sparsified (lock held): clip,
+        check, then its velocity for the dense allreduce, a new
         tensor v = 0 + u after u ← m·u + s·g (classic; Nesterov v = s·g + m·u). This path
         makes one of these per gradient, many per step (ResNet-50: 107 biases and
         normalisation scales), so it goes straight to these steps."""
         B, c = self.B, self.config
-        g, scale = self._accumulated(g, param, world_size, average, clip_scale)
-        if not B.all_finite(g):
-            return self._nonfinite(st, g, t0, drawn=False)
+        density = self.density
+        g, scale = self._accumulated(B.float32_view(grad), param, world_size, average,
+                                     clip_scale)
+        if not B.all_finite(g):     # sent as it is: every rank's result is then NaN
+            self._stats.count(st, 0, 4 * st.numel, True, time.perf_counter() - t0, density)
+            return "dense", B.float32_flat(g), None
         v = B.zeros(st.numel, like=g)
         momentum_correction(B, st.u, v, g, c.momentum, c.nesterov, scale)
         self._stats.count_dense(st, time.perf_counter() - t0, density)
@@ -644,61 +602,6 @@ class DGCCore:
             st.wd = wd
         self._kept, self._kept_wd, self._skipped = [], [], True
 
-    def _nonfinite(self, st, g, t0, drawn):
-        """What compress returns for a gradient g with NaN/Inf (st's state is not touched): a
-        sparsified tensor sends an empty payload flagged FLAG_NONFINITE, a dense one g itself.
-        A sparsified tensor's sample draws are made and dropped here unless ``drawn``."""
-        B = self.B
-        if st.sparse:
-            s = sample_count(st.numel, k_for(st.numel, self.density), self.config.sample_ratio,
-                             self.config.exact_topk)
-            if s and not drawn:
-                B.sample(st.v, s, self._generator)
-            out = self._encode(st.numel, B.empty_indices(like=st.v), B.zeros(0, like=st.v),
-                               wire.FLAG_NONFINITE)
-            result = ("sparse", out, SparseContext(st.name, st.numel, None, None, None))
-            nbytes = 4 * B.numel(out) + PLACEHOLDER_BYTES
-        else:
-            result, nbytes = ("dense", B.float32_flat(g), None), 4 * st.numel
-        self._stats.count(st, 0, nbytes, True, time.perf_counter() - t0, self.density)
-        return result
-
-    def _fused_finish(self, st, plan, idx, t0, density):
-        """Gather, clear and encode idx after the fused accumulation and selection."""
-        B, c = self.B, self.config
-        if c.wire_values != "float32":
-            if c.wire_index == "delta16":
-                idx = B.sort(idx)
-            return self._finish_ops(st, idx, t0, sorted_=True)
-        payload, vals, u_sent = kernels.finish(B, c, st, plan, idx)
-        count = B.numel(idx)
-        self._stats.count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
-                          time.perf_counter() - t0, density)
-        return "sparse", payload, SparseContext(st.name, st.numel, idx, vals, u_sent)
-
-    def _finish_ops(self, st, idx, t0, sorted_=False):
-        """Gather, clear and encode the selected positions idx with tensor ops."""
-        B, c = self.B, self.config
-        if c.wire_index == "delta16" and not sorted_:
-            idx = B.sort(idx)
-        vals = B.take(st.v, idx)
-        u_sent = B.take(st.u, idx) if (c.momentum_masking and st.u is not None) else None
-        clear_sent(B, st.u, st.v, idx, c.momentum_masking)
-        sent, fp16 = vals, (0, 0)
-        if c.wire_values == "float16":
-            sent, vals, u_sent, fp16 = precision.round_to_fp16(B, st, idx, vals, u_sent,
-                                                               self._warn_once)
-        payload = self._encode(st.numel, idx, sent)
-        count = B.numel(idx)
-        self._stats.count(st, count, 4 * B.numel(payload) + PLACEHOLDER_BYTES, False,
-                          time.perf_counter() - t0, self.density, fp16)
-        return "sparse", payload, SparseContext(st.name, st.numel, None if vals is None else idx,
-                                                vals, u_sent)
-
-    def _encode(self, numel, idx, vals, flags=0):
-        return wire.encode(self.B, numel, idx, vals, flags, self.config.wire_index,
-                           self.config.wire_values)
-
     def add_wire_bytes(self, nbytes, received=0):
         """Count bytes sent outside a tensor's payload in the stats: bucket framing, or the
         placeholders of Horovod's allreduce for tensors DGC allreduces itself (which that
@@ -737,21 +640,47 @@ class DGCCore:
         with self._lock:
             regions.keep_unapplied(self.B, st.u, st.v, summed, ctx.indices, ctx.u_sent, dropped)
 
+    def decompress_bucket(self, gathered, world_size, members, name, contexts, average=True):
+        """Decode an allgathered bucket: ``world_size`` ranks' frames
+        (:func:`wire.frame_bucket`) of a bucket of ``members`` tensors named ``name``, for the
+        sparsified members this rank compressed, ``contexts`` = {member index: (ctx, out)}
+        (ctx: the :meth:`compress_many` context, out: as :meth:`decompress`'s). Returns
+        {member index: the flat float32 update}, each what :meth:`decompress` returns for it.
+
+        An engine that decodes a whole bucket on its device (the Triton engine's
+        ``decode_bucket``) does so in one go, reading nothing back: a non-finite member is NaN
+        there and this rank's entries go back into its state on the device; a malformed frame
+        is NaN too, and raises :class:`~dgc_horovod.core.wire.WireFormatError` at the bucket's
+        first decode and otherwise when DGC next reads its device counters (:attr:`step_stats`,
+        :attr:`total_stats`, :meth:`state_dict`). Any other engine splits the bucket
+        (:meth:`split_bucket`) and decodes member after member (:meth:`decompress`)."""
+        decoded = self._driver.decompress_bucket(gathered, world_size, name, contexts, average)
+        if decoded is not None:
+            return decoded
+        B = self.B
+        parts = self.split_bucket(gathered, world_size, members, name)
+        out = {}
+        for m, (ctx, into) in contexts.items():
+            got = parts[m]
+            out[m] = self.decompress(B.cat(got) if got else B.int32_tensor([], like=gathered),
+                                     ctx, world_size, average, len(got), into)
+        return out
+
     def split_bucket(self, gathered, world_size, members, name):
         """An allgathered bucket cut into its members' payloads (:func:`wire.split_bucket`, the
-        same arguments after the backend and the same result): with the kernels
-        (``use_kernels``) the walk over the segments is one :func:`kernels.split_bucket` call,
-        as decompress's decode is one kernel call; the tensor ops otherwise."""
-        split = kernels.split_bucket if self.use_kernels else wire.split_bucket
-        return split(self.B, gathered, world_size, members, name)
+        same arguments after the backend and the same result): the engine's walk where it has
+        one (the C kernels), the tensor ops' otherwise."""
+        engine = self._driver.engine_for(gathered)
+        if hasattr(engine, "split_bucket"):
+            return engine.split_bucket(gathered, world_size, members, name)
+        return wire.split_bucket(self.B, gathered, world_size, members, name)
 
     def decompress(self, gathered, ctx, world_size, average=True, ranks=None, out=None,
                    dropped=None):
         """Decode the allgathered payloads of a sparsified tensor into the dense update.
 
-        With the kernels (``use_kernels``, host tensors) one :func:`kernels.decode_sum` call
-        checks, zeroes, sums and scales; the tensor ops (:func:`wire.decode_sum`) run otherwise
-        and when it declines (a malformed payload, a non-finite step). Same bits either way.
+        The engine's decode (:mod:`dgc_horovod.core.engine`: every rank's payload checked and
+        added in rank order, then times float32(1/N)); the same bits on every engine.
 
         Args:
             gathered: flat int32 tensor, Horovod's allgather of every rank's payload.
@@ -780,25 +709,19 @@ class DGCCore:
         B = self.B
         ranks = world_size if ranks is None else ranks
         scale = average and world_size > 1
-        out_is_zero = False
-        if self.use_kernels and ranks:      # one kernel call (kernels.decode_sum), same bits
-            dense = B.zeros(ctx.numel, like=gathered) if out is None else out
-            regional = self.config.exchange == "regions"    # keep_unapplied needs the sum
-            mode = ((0 if out is None else kernels.DECODE_ZERO) | kernels.DECODE_ADD
-                    | (kernels.DECODE_SCALE if scale and not regional else 0))
-            if kernels.decode_sum(B, gathered, ctx.numel, ranks, dense, mode, 1.0 / world_size):
-                if regional:
-                    self.keep_unapplied(ctx, dense, dropped)
-                self._keep_sent(ctx, dense)
-                if regional:
-                    if scale:
-                        kernels.decode_sum(B, gathered, ctx.numel, ranks, dense,
-                                           kernels.DECODE_SCALE, 1.0 / world_size)
-                return dense
-            out, out_is_zero = dense, out is None   # declined: the tensor ops below decide
-        positions = []
-        dense, nonfinite = wire.decode_sum(B, gathered, ctx.numel, ranks, ctx.name, positions,
-                                           out, out_is_zero)
+        regional = self.config.exchange == "regions"    # keep_unapplied needs the sum first
+        dense = B.zeros(ctx.numel, like=gathered) if out is None else out
+        if out is not None and B.numel(out) != ctx.numel:
+            raise ValueError(f"decompress: out has {B.numel(out)} elements, tensor "
+                             f"{ctx.name!r} {ctx.numel}")
+        nonfinite = False
+        if ranks:
+            engine = self._driver.engine_for(gathered, dense)
+            nonfinite = engine.decode(gathered, ctx.numel, ranks, dense,
+                                      1.0 / world_size if scale and not regional else None,
+                                      ctx.name)
+        elif out is not None:
+            B.zero_(dense)
         if nonfinite:
             st = self.states[ctx.name]
             with self._lock:
@@ -808,13 +731,9 @@ class DGCCore:
                     self._skip_step()
             B.mul_(dense, float("nan"))
             return dense
-        if self.config.exchange == "regions":
+        if regional:
             self.keep_unapplied(ctx, dense, dropped)
         self._keep_sent(ctx, dense)
-        if scale and positions:
-            # divide by N only where a rank sent something (elsewhere 0 / N is 0): the same
-            # bits as dividing the whole tensor, without a pass over it. A position sent by
-            # several ranks is gathered from the sum before any write, so it is scaled once.
-            B.scale_at_(dense, positions[0] if len(positions) == 1 else B.cat(positions),
-                        1.0 / world_size)
+        if regional and scale:
+            B.mul_(dense, 1.0 / world_size)     # the same bits as only where a rank sent
         return dense

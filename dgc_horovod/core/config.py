@@ -101,8 +101,12 @@ _VALUES = ("float32", "float16")
 _CLIP_SCOPES = ("global", "tensor")
 _WD_MODES = ("separate", "accumulated")
 _EXCHANGES = ("allgather", "regions")
+_ENGINES = ("auto", "c", "triton", "ops")
+#: Options that change how a rank computes, never what: left out of the comparisons of
+#: :func:`config_diff` (checkpoints, ranks of one job).
+LOCAL_OPTIONS = ("engine",)
 
-#: The largest seed: the generators of every backend take a signed 64-bit seed.
+#: The largest seed (a signed 64-bit integer, as earlier versions took; sparsify.seed_key hashes it).
 SEED_MAX = 2 ** 63 - 1
 
 # option: (default, check(name, value) -> value, parse(text) -> value, the environment form)
@@ -135,6 +139,8 @@ _OPTIONS = {
     "bucket_numel": (2 ** 22, lambda n, v: _check_int(n, v, 0), int, "an int >= 0"),
     "exchange": ("allgather", lambda n, v: _check_choice(n, v, _EXCHANGES), str.lower,
                  "one of allgather, regions"),
+    "engine": ("auto", lambda n, v: _check_choice(n, v, _ENGINES), str.lower,
+               "one of auto, c, triton, ops"),
 }
 
 
@@ -222,7 +228,8 @@ class DGCConfig:
             ``compress_ratio``: no warm-up.
         warmup_per_step (bool): False (paper): density changes in stages (each quarter of
             ``warmup_steps``, or each whole epoch). True: it falls smoothly.
-        seed (int): seed of the random sampling used by the threshold estimate, in [0, 2**63 - 1].
+        seed (int): seed of the threshold estimate's sampled positions, in [0, 2**63 - 1]
+            (a counter-based hash of seed, tensor and step: :mod:`dgc_horovod.core.sparsify`).
         bucket_numel (int): the adapters send the payloads of several tensors in one
             allgather: consecutive parameters are grouped until their dense size reaches this
             many elements (PyTorch: in reverse registration order, roughly the order backward
@@ -250,6 +257,12 @@ class DGCConfig:
             per rank, whatever N; it applies the k largest of the summed selections and keeps
             the rest in the owners' residuals (:mod:`dgc_horovod.core.regions`), so it needs
             about 16× the density to train as well (measured in docs/scaling.md).
+        engine (str): what computes the compress and decode steps (:mod:`dgc_horovod.core.engine`;
+            every engine gives the same bits): "auto" (default) the C kernels for tensors in host
+            memory, the Triton kernels for CUDA tensors (Triton ships with PyTorch's CUDA
+            builds), tensor ops otherwise; "c", "triton" (on CPU tensors only under Triton's
+            interpreter, ``TRITON_INTERPRET=1``: for tests) or "ops" to choose one. Not compared
+            between checkpoints or ranks.
 
         environ (mapping or None): where the ``HOROVOD_DGC_*`` variables are read; None (the
             default) reads ``os.environ``, ``{}`` ignores the environment.
@@ -291,7 +304,7 @@ class DGCConfig:
                  bucket_numel=_D["bucket_numel"], *, clip_scope=_D["clip_scope"],
                  weight_decay_mode=_D["weight_decay_mode"],
                  min_sparse_ndim=_D["min_sparse_ndim"], warmup_steps=_D["warmup_steps"],
-                 exchange=_D["exchange"], environ=None):
+                 exchange=_D["exchange"], engine=_D["engine"], environ=None):
         given = dict(locals())
         env = self._read_environ(os.environ if environ is None else environ)
         sources = {}
@@ -370,4 +383,5 @@ def config_diff(a, b):
     checkpoint check (saved vs now) and the elastic check (this rank vs another). A key present
     in only one of them differs."""
     missing = object()
-    return sorted(k for k in set(a) | set(b) if a.get(k, missing) != b.get(k, missing))
+    return sorted(k for k in set(a) | set(b)
+                  if k not in LOCAL_OPTIONS and a.get(k, missing) != b.get(k, missing))

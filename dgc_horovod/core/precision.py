@@ -53,7 +53,7 @@ hold this step's gradient; only the sent entries are put back): their state is n
 to before the step.
 """
 
-__all__ = ["FP16_OVERFLOW", "rescale", "round_to_fp16"]
+__all__ = ["FP16_OVERFLOW", "rescale", "round_to_fp16", "warning"]
 
 #: The smallest magnitude a float16 cast rounds to ±inf (float16's largest value is 65504).
 FP16_OVERFLOW = 65520.0
@@ -73,34 +73,43 @@ def rescale(B, states, ratio):
             yield st
 
 
-def round_to_fp16(B, st, idx, vals, u_sent, warn_once):
-    """``wire_values="float16"``, after clear_sent: (the values to send, rounded through
-    float16 as a plain cast rounds them; the values and u_sent decompress puts back after a
-    non-finite step, or None, None: nothing to put back; (overflowed, flushed) counts). The
-    rounding error stays in the residual (error feedback for the quantization too). On an
-    overflow the tensor's u and v are dropped (see the module docstring). warn_once(key, message):
-    the core's one-time warning."""
+def round_to_fp16(B, u, v, idx, vals):
+    """``wire_values="float16"``, after clear_sent (step 5 of :mod:`~dgc_horovod.core.engine`):
+    the values sent are ``vals`` rounded through float16 as a plain cast rounds them (±inf beyond
+    its range). The rounding error stays in the residual: v[idx] ← vals − sent (float32). If a
+    value overflowed, the tensor's u and v are zeroed instead (see the module docstring).
+
+    Returns (sent, (overflowed, flushed), dropped): the float32 values of the float16 payload;
+    how many overflowed and how many non-zero values became 0; whether u and v were zeroed.
+    The caller warns (:func:`warning`)."""
     sent = B.to_fp16_and_back(vals)
     overflowed = B.numel(vals) - B.count_true(B.abs(sent) != float("inf"))
     flushed = B.count_true((sent == 0.0) & (vals != 0.0))
-    if flushed:
-        warn_once("fp16_flush", (
-            f"DGC: wire_values='float16': {flushed} selected non-zero value(s) of "
-            f"{st.name!r} are below float16's range (|v| <= 2**-25) and are sent as 0 (they "
-            "stay in the residual). Further ones are counted in stats.flushed_entries. A "
-            "larger loss scale, or wire_values='float32', sends them"))
     if overflowed:
-        warn_once("fp16_overflow", (
-            f"DGC: wire_values='float16': {overflowed} selected value(s) of {st.name!r} "
+        for t in (u, v):
+            if t is not None:
+                B.zero_(t)
+        return sent, (overflowed, flushed), True
+    B.scatter_(v, idx, vals - sent)
+    return sent, (overflowed, flushed), False
+
+
+def warning(name, overflowed, flushed):
+    """[(key, message)] of the one-time warnings for a tensor's float16 counts."""
+    out = []
+    if flushed:
+        out.append(("fp16_flush", (
+            f"DGC: wire_values='float16': {flushed} selected non-zero value(s) of "
+            f"{name!r} are below float16's range (|v| <= 2**-25) and are sent as 0 (they "
+            "stay in the residual). Further ones are counted in stats.flushed_entries. A "
+            "larger loss scale, or wire_values='float32', sends them")))
+    if overflowed:
+        out.append(("fp16_overflow", (
+            f"DGC: wire_values='float16': {overflowed} selected value(s) of {name!r} "
             f"exceed float16's range (|v| >= {FP16_OVERFLOW:g}; its largest value is 65504) "
             "and are sent as ±inf, as a float16 cast does: every rank gets a non-finite "
             "update for this step, which a loss scaler skips (then backing off its scale), "
             "and this rank drops the tensor's DGC state (u and v restart at zero). Further "
             "overflows are counted in stats.overflowed_entries. Use a smaller loss scale, "
-            "or wire_values='float32'"))
-        for t in (st.u, st.v):
-            if t is not None:
-                B.mul_(t, 0.0)
-        return sent, None, None, (overflowed, flushed)
-    B.scatter_(st.v, idx, vals - sent)
-    return sent, vals, u_sent, (overflowed, flushed)
+            "or wire_values='float32'")))
+    return out

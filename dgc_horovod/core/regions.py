@@ -88,12 +88,11 @@ def split_payload(B, payload, numel, world_size, name="<tensor>"):
 def _split_entries(B, idx, vals, numel, world_size, spans, flags, index, values):
     """{j: the part of region j} for the regions that have entries (split_payload's work).
 
-    Positions come ascending from compress (delta16 needs them so), so each region's entries
-    are one run of the payload: a handful of backend calls find the runs and, in the default
-    encodings (delta16, float32) without flags, :func:`wire.encode_many` encodes every part at
-    once (its words are those of one :func:`wire.encode` per part), so the cost does not grow
-    with the number of regions. Positions in another order (int32 indices allow it) take one
-    masked copy per region, in payload order: the same parts."""
+    Positions come ascending from compress (every engine sends them so), so each region's
+    entries are one run of the payload: a handful of backend calls find the runs, then one
+    :func:`wire.encode` per part. Positions in another order (a payload the wire format
+    allows but no engine writes) take one masked copy per region, in payload order: the same
+    parts."""
     # the region of position p: the j with ⌊j·n/N⌋ <= p < ⌊(j+1)·n/N⌋, i.e. ⌊((p+1)·N − 1)/n⌋
     pos = B.to_int64(idx)
     region = ((pos + 1) * world_size - 1) // numel
@@ -110,11 +109,6 @@ def _split_entries(B, idx, vals, numel, world_size, spans, flags, index, values)
     js = B.to_list(B.mask(region, first))
     starts = B.to_list(B.mask(B.arange(c, like=region), first)) + [c]
     counts = [b - a for a, b in zip(starts, starts[1:])]
-    if index == "delta16" and values == "float32" and not flags:
-        local = pos - (region * numel) // world_size        # ⌊j·n/N⌋ = lo of region j
-        parts, _ = wire.encode_many(B, [spans[j][1] - spans[j][0] for j in js], counts, local,
-                                    vals)
-        return dict(zip(js, parts))
     return {j: wire.encode(B, spans[j][1] - spans[j][0], B.slice(idx, a, a + n) - spans[j][0],
                            B.slice(vals, a, a + n), flags, index, values)
             for j, a, n in zip(js, starts, counts)}

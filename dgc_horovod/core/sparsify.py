@@ -1,17 +1,56 @@
-"""Top-k selection by magnitude, exact or with a sampled threshold (Lin et al. 2018, §5)."""
+"""Top-k selection by magnitude (Lin et al. 2018, Algorithm 1 and §5): the rule every engine
+follows, its constants, and its reference on tensor ops.
+
+Algorithm 1 sends, per tensor and step, the entries of the accumulated velocity v whose
+magnitude reaches the top-R% threshold: the k = ceil(R·n) largest |v| (:func:`k_for`). §5 finds
+that threshold cheaply: sample a fraction of |v|, take the threshold among the samples, compare
+once, and refine among the few that pass. Our rule makes every choice that approach leaves open
+explicit, so that the NumPy reference, the C kernels, the Triton kernels and the TensorFlow
+graph select the same entries, bit for bit, and none of them hands a case to another:
+
+1. **Plan** (:class:`Plan`, host integers from (n, density) alone): k; s sampled positions
+   (:func:`sample_count`; 0 when 2k >= n or ``exact_topk``: no sampling); the ranks ks1 and
+   ks2 (:func:`threshold_rank`, :func:`lower_rank`) of an upper and a lower threshold among
+   the samples.
+2. **Sample** (§5): positions ``(h_i · n) >> 32`` with h_i = mix32(base + i·GOLDEN) for
+   i < s, where base = :func:`sample_base` (seed, tensor, step): a counter-based hash that every
+   engine computes itself (no generator state, no draws uploaded). The magnitudes are compared
+   as their float32 bit patterns with the sign cleared (:func:`magnitude_bits`: non-negative
+   floats order as their bits; NaN above +inf), so each threshold is an exact sample value.
+3. **Threshold**: t1 = the ks1-th largest sampled magnitude, t2 = the ks2-th largest, each at
+   least 1 (the smallest positive float32: zeros are never sent); without sampling t1 = t2 = 1.
+4. **Candidates**: if at least k entries of the tensor reach t1, the level is t1, else t2; the
+   candidates are the positions whose magnitude reaches the level.
+5. **Settle to k**: the k candidates of largest magnitude, ties at the k-th magnitude to the
+   lower position (all candidates when there are fewer than k), in ascending position order.
+
+So what is sent is always the top of |v|: exactly Algorithm 1's top-k (ties to the lower
+position) whenever at least k entries reach the lower threshold (nearly always: the upper one
+aims at 1.25·k of them, the lower one at 4 times as many), else every entry that reaches it.
+The samples only decide how much an engine reads to find it. The sizes an engine needs (k, s,
+the payload's words; at most n candidates) follow from n and the density: a device engine needs
+nothing back from the device.
+"""
 import math
+import zlib
 
-import numpy as np
-
-__all__ = ["is_sparse", "k_for", "sample_count", "threshold_rank", "settle", "select_topk",
-           "select_above", "sample_positions", "MIN_SAMPLES", "SAMPLE_OVERSHOOT", "TOPK", "KEEP",
-           "FALLBACK"]
+__all__ = ["is_sparse", "k_for", "sample_count", "threshold_rank", "lower_rank",
+           "Plan", "plan", "plan_k", "mix32", "seed_key", "tensor_key", "sample_base", "step_base", "sample_positions",
+           "magnitude_bits", "select", "MIN_SAMPLES", "SAMPLE_OVERSHOOT", "LOWER", "MIX_M1",
+           "MIX_M2", "GOLDEN", "MIN_BITS"]
 
 #: Fewest entries sampled for the threshold estimate (below that the estimate is noise).
 MIN_SAMPLES = 64
-#: The sampled threshold aims at this many times k candidates, so that usually count ≥ k and the
-#: exact top-k can be taken among the candidates.
+#: The upper threshold aims at this many times k candidates (so that usually k reach it).
 SAMPLE_OVERSHOOT = 1.25
+#: The lower threshold's rank is LOWER times the upper one's (used when fewer than k reach t1).
+LOWER = 4
+#: The multipliers of :func:`mix32` (the "lowbias32" integer hash) and the step between the
+#: counters of consecutive samples (2**32 / golden ratio).
+MIX_M1, MIX_M2, GOLDEN = 0x7FEB352D, 0x846CA68B, 0x9E3779B9
+#: The smallest magnitude that is ever sent, as float32 bits (the smallest positive float32).
+MIN_BITS = 1
+_M32 = 0xFFFFFFFF
 
 
 def is_sparse(numel, ndim, config):
@@ -29,95 +68,140 @@ def k_for(numel, density):
 
 
 def sample_count(n, k, sample_ratio, exact=False):
-    """s, the number of entries the threshold estimate of :func:`select_topk` samples for a tensor
-    of n elements and target count k: max(MIN_SAMPLES, ceil(sample_ratio · n)), at most n; 0 when
-    it does not sample (exact mode, or k ≥ n/2: an exact top-k then)."""
+    """s, the positions the threshold estimate samples in a tensor of n elements with target
+    count k: max(MIN_SAMPLES, ceil(sample_ratio · n)), at most n; 0 (no sampling: every non-zero
+    entry is a candidate) in exact mode or when k >= n/2."""
     if exact or k * 2 >= n:
         return 0
     return min(n, max(MIN_SAMPLES, math.ceil(sample_ratio * n)))
 
 
 def threshold_rank(n, k, s):
-    """ks, the rank of the sampled threshold among the s sampled magnitudes of a tensor of n
-    elements with target count k (§5): ceil(SAMPLE_OVERSHOOT · k · s / n), in [1, s]. Aiming at
-    1.25·k candidates makes count ≥ k, hence the exact top-k, the usual case."""
+    """ks1, the rank of the upper threshold among the s sampled magnitudes (§5):
+    ceil(SAMPLE_OVERSHOOT · k · s / n), in [1, s]: about 1.25·k entries reach it."""
     return min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
 
 
-#: The settle rule's outcomes (:func:`settle`).
-TOPK, KEEP, FALLBACK = "topk", "keep", "fallback"
+def lower_rank(n, k, s):
+    """ks2, the rank of the lower threshold: LOWER · ks1, at most s."""
+    return min(s, LOWER * threshold_rank(n, k, s))
 
 
-def settle(count, k):
-    """The settle rule of the sampled selection (§5), for ``count`` candidates (entries with
-    |v| ≥ the sampled threshold) and target count k: :data:`TOPK` when count > k (the candidates
-    hold every true top-k entry: take the exact top-k among them), :data:`KEEP` when
-    k/2 ≤ count ≤ k (they are the top-count), :data:`FALLBACK` when count < k/2 (an exact top-k
-    over v). The one home of the rule in Python: :func:`select_above`, the fused path's
-    :func:`~dgc_horovod.core.kernels.select_rest` and the bucket path
-    (:mod:`~dgc_horovod.core.bucket_ops`) call it; the C kernels apply the same rule."""
-    if count > k:
-        return TOPK
-    return FALLBACK if 2 * count < k else KEEP
+class Plan:
+    """The selection's sizes for one tensor at one density (host integers): n, k, s, ks1, ks2
+    (see the module docstring)."""
+
+    __slots__ = ("n", "k", "s", "ks1", "ks2")
+
+    def __init__(self, n, k, s, ks1, ks2):
+        self.n, self.k, self.s, self.ks1, self.ks2 = n, k, s, ks1, ks2
+
+    cap = property(lambda self: self.n, doc="Room an engine keeps for the candidates: n (every "
+                                            "candidate is kept).")
+
+    def __eq__(self, other):
+        return isinstance(other, Plan) and all(getattr(self, a) == getattr(other, a)
+                                               for a in self.__slots__)
+
+    def __repr__(self):
+        return "Plan(" + ", ".join(f"{a}={getattr(self, a)}" for a in self.__slots__) + ")"
 
 
-def sample_positions(u, n):
-    """The positions the threshold estimate samples: ``min(floor(u · n), n − 1)`` for float64
-    uniform draws u in [0, 1) (NumPy array; each backend's ``sample`` and the C kernels compute the
-    same, with u · n rounded once in float64), i.e. uniform over [0, n) with replacement.
-
-    All s draws of a tensor come from one ``generator`` call of s float64 uniforms, so the
-    kernels can draw a whole bucket's samples in one call and get the same positions as one call
-    per tensor. Returns an int64 array of u's shape. (The NumPy backend's sample() calls it; the
-    PyTorch and TensorFlow backends compute the same with their own ops.)
-    """
-    pos = (np.asarray(u, dtype=np.float64) * n).astype(np.int64)
-    return np.minimum(pos, n - 1)
+def plan(n, density, config):
+    """The :class:`Plan` of a tensor of n elements at ``density`` under ``config``
+    (``sample_ratio``, ``exact_topk``)."""
+    return plan_k(n, k_for(n, density), config.sample_ratio, config.exact_topk)
 
 
-def select_topk(B, v, k, sample_ratio=0.01, exact=False, generator=None):
-    """Choose the entries of v to send: its k largest magnitudes, skipping zeros.
-
-    Sampled mode (default; §5 of the paper estimates the threshold on a 0.1–1% sample):
-
-    1. draw s = max(MIN_SAMPLES, ceil(sample_ratio · n)) entries uniformly (with replacement, at
-       :func:`sample_positions` of s float64 uniforms from ``generator``) and
-       take as threshold their ceil(1.25 · k · s / n)-th largest magnitude;
-    2. candidates = entries with |v| ≥ threshold (one pass over v), count c;
-    3. c ≥ k: the candidates contain every true top-k entry, so an exact top-k among them gives
-       exactly the top-k of v; k/2 ≤ c < k: keep the c candidates (they are the top-c);
-       c < k/2: fall back to an exact top-k over v.
-
-    The count therefore always lies in the band [min(ceil(k/2), nnz), min(k, nnz)] (nnz = non-zero
-    entries), and equals k (the exact top-k) unless the estimate overshot. Exact mode runs top-k
-    over v directly. Zero entries are never sent (an all-zero v selects nothing).
-
-    Args:
-        B: backend. v (flat float32 tensor, n elements): the accumulated velocity.
-        k (int): target count, 1 ≤ k ≤ n.
-        sample_ratio (float): in (0, 1]. exact (bool). generator: backend random generator.
-
-    Returns:
-        int64 index tensor of the selected positions (unordered, unique), shape (count,).
-    """
-    n = B.numel(v)
-    mag = B.abs(v)
+def plan_k(n, k, sample_ratio, exact=False):
+    """The :class:`Plan` of a tensor of n elements for a target count k (1 <= k <= n)."""
     s = sample_count(n, k, sample_ratio, exact)
-    if not s:
-        idx = B.topk_indices(mag, k)
-        return B.drop_zeros(idx, B.take(mag, idx))
-    threshold = B.kth_largest(B.sample(mag, s, generator), threshold_rank(n, k, s))
-    return select_above(B, mag, k, threshold)
+    ks1 = threshold_rank(n, k, s) if s else 0
+    return Plan(n, k, s, ks1, min(s, LOWER * ks1))
 
 
-def select_above(B, mag, k, threshold):
-    """Steps 2–3 of :func:`select_topk`: the candidates mag ≥ threshold, settled to at most k
-    (:func:`settle`), zeros dropped. mag: flat float32 magnitudes |v| (read only). Returns the
-    int64 index tensor (unordered, unique)."""
-    idx = B.indices_where_ge(mag, threshold)
-    rule = settle(B.numel(idx), k)
-    if rule == TOPK:
-        idx = B.take(idx, B.topk_indices(B.take(mag, idx), k))
-    elif rule == FALLBACK:
-        idx = B.topk_indices(mag, k)
-    return B.drop_zeros(idx, B.take(mag, idx))
+# ----------------------------------------------------------------------------- sampling
+# The integer steps below use +, *, //, & and ^ on non-negative values only (x // 2**s is
+# x >> s, x * 2**s is x << s): operators that Python ints and the int64 tensors of NumPy, PyTorch
+# and TensorFlow all have, with the same results.
+def _mul32(x, c):
+    """(x · c) mod 2**32 for x < 2**32 and a constant c < 2**32, without any intermediate at or
+    above 2**63."""
+    return ((x & 0xFFFF) * c + (((x // 65536) * c) & 0xFFFF) * 65536) & _M32
+
+
+def mix32(x):
+    """The lowbias32 integer hash of x in [0, 2**32) (Python int or int64 tensor):
+    x ^= x >> 16; x *= MIX_M1; x ^= x >> 15; x *= MIX_M2; x ^= x >> 16 (mod 2**32)."""
+    x = x ^ (x // 65536)
+    x = _mul32(x, MIX_M1)
+    x = x ^ (x // 32768)
+    x = _mul32(x, MIX_M2)
+    return x ^ (x // 65536)
+
+
+def seed_key(seed):
+    """The 32-bit key of ``config.seed`` (an int in [0, 2**63))."""
+    return mix32((seed & _M32) ^ mix32(seed >> 32))
+
+
+def tensor_key(name):
+    """The 32-bit key of a tensor: CRC-32 of its name (the same on every rank)."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def sample_base(seed_k, tensor_k, step):
+    """The counter base of a tensor's samples at ``step`` (int >= 0, the optimizer step):
+    mix32((mix32(seed_key ^ tensor_key) + step · GOLDEN) mod 2**32). Works on Python ints and
+    on int64 scalar tensors (a graph's step counter)."""
+    return step_base(mix32(seed_k ^ tensor_k), step)
+
+
+def step_base(tensor_seed, step):
+    """:func:`sample_base` from the step-independent part mix32(seed_key ^ tensor_key)."""
+    return mix32((tensor_seed + _mul32(step & _M32, GOLDEN)) & _M32)
+
+
+def sample_positions(B, base, s, n, like):
+    """The s sampled positions of a tensor of n elements: (mix32((base + i·GOLDEN) mod 2**32)
+    · n) >> 32 for i = 0..s-1 (uniform over [0, n) with replacement). int64 tensor of s."""
+    i = B.arange(s, like=like)
+    h = mix32((_mul32(i, GOLDEN) + base) & _M32)
+    return (h * n) // 2 ** 32
+
+
+def magnitude_bits(B, v):
+    """|v| as int64 float32 bit patterns (sign cleared): they order as the magnitudes, NaN above
+    +inf."""
+    return B.to_int64(B.float32_bits(v)) & 0x7FFFFFFF
+
+
+# ----------------------------------------------------------------------------- the rule
+def _kth_largest(B, bits, rank):
+    """The rank-th largest of the int64 tensor ``bits`` (1 <= rank <= its size), as a Python
+    int."""
+    n = B.numel(bits)
+    return B.to_list(B.slice(B.sort(bits), n - rank, n - rank + 1))[0]
+
+
+def select(B, v, p, base):
+    """The positions of v (flat float32, p.n elements) that the rule of the module docstring
+    sends under :class:`Plan` p, ascending (int64 tensor of at most p.k entries). ``base``: the
+    tensor's :func:`sample_base` at this step. v is read only.
+
+    Tensor ops with a few host reads (the thresholds and counts); the C and Triton engines
+    compute the same without them."""
+    bits = magnitude_bits(B, v)
+    t1 = t2 = MIN_BITS
+    if p.s:
+        sampled = B.take(bits, sample_positions(B, base, p.s, p.n, like=bits))
+        t1 = max(_kth_largest(B, sampled, p.ks1), MIN_BITS)
+        t2 = max(_kth_largest(B, sampled, p.ks2), MIN_BITS)
+    level = t1 if B.count_true(bits >= t1) >= p.k else t2
+    cand = B.indices_where_ge(bits, level)                # ascending
+    if B.numel(cand) <= p.k:
+        return cand
+    # the k largest by (magnitude, then the lower position): one top-k of the int64 keys
+    # magnitude · 2**32 + (2**32 - 1 - position)
+    keys = B.take(bits, cand) * 2 ** 32 + (_M32 - cand)
+    return B.sort(B.take(cand, B.topk_indices(keys, p.k)))

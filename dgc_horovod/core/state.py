@@ -4,6 +4,8 @@ steps (velocity u, residual v, the separate weight decay's buffer; made at its f
 and :class:`SparseContext`, what a compress of a sparsified tensor hands its decompress.
 """
 
+from dgc_horovod.core.sparsify import tensor_key
+
 __all__ = ["TensorState", "SparseContext"]
 
 
@@ -17,12 +19,12 @@ class TensorState:
     term with ``weight_decay_mode="separate"``, else None).
     """
 
-    __slots__ = ("name", "numel", "ndim", "sparse", "u", "v", "wd", "plan")
+    __slots__ = ("name", "numel", "ndim", "sparse", "u", "v", "wd", "key")
 
     def __init__(self, name, numel, sparse, u, v, ndim=1, wd=None):
         self.name, self.numel, self.sparse, self.u, self.v = name, numel, sparse, u, v
         self.ndim, self.wd = ndim, wd
-        self.plan = None        # kernels.Plan of the fused path; False: tensor ops only
+        self.key = tensor_key(name)     # the sampling hash's key of the tensor
 
 
 class SparseContext:

@@ -115,15 +115,42 @@ class StatsRecorder:
 
     Inside :meth:`entry_order` (compress_many) the rows passed to :meth:`count` are kept back;
     :meth:`take` hands them out, so that the caller counts them in entry order.
+
+    An engine on a device leaves its counts there (reading them would make the host wait for the
+    device): :meth:`defer` keeps them, and :meth:`resolve` adds them to the statistics they
+    belong to when the statistics are read.
     """
 
-    __slots__ = ("step", "total", "names", "_held")
+    __slots__ = ("step", "total", "names", "_held", "_deferred")
 
     def __init__(self, step=None, total=None):
         self.step = CompressionStats() if step is None else step
         self.total = CompressionStats() if total is None else total
         self.names = set()      # the tensors counted in the current step
         self._held = None       # compress_many: rows waiting for entry order
+        self._deferred = []     # (B, selected, finite, fp16 tensors, the step's CompressionStats)
+
+    def defer(self, B, selected, finite, fp16=None):
+        """Counts still on a device, of rows already counted with 0 selected and finite: the
+        selected entries and the finite flags of T tensors (1-D tensors), and their float16
+        counts (a (T, 2) tensor; None: counted already), added to the current step's and the
+        total statistics by :meth:`resolve`."""
+        self._deferred.append((B, selected, finite, fp16, self.step))
+
+    def resolve(self):
+        """Add the deferred counts (:meth:`defer`) to the statistics (reads them: waits for the
+        device). Returns self."""
+        deferred, self._deferred = self._deferred, []
+        for B, selected, finite, fp16, step in deferred:
+            sel, nonfinite = sum(B.to_list(selected)), sum(1 - f for f in B.to_list(finite))
+            pairs = [] if fp16 is None else B.to_list(fp16.reshape(-1))   # (overflowed, flushed)
+            over, flushed = sum(pairs[0::2]), sum(pairs[1::2])
+            for s in (step, self.total):
+                s.selected += sel
+                s.nonfinite_tensors += nonfinite
+                s.overflowed_entries += over
+                s.flushed_entries += flushed
+        return self
 
     def starts_step(self, name):
         """True when compressing ``name`` now begins a step: it was already counted in this step,
@@ -138,7 +165,7 @@ class StatsRecorder:
     @contextlib.contextmanager
     def entry_order(self, n):
         """Keep back the rows passed to :meth:`count` while the block runs; it receives a list
-        of n entries' rows (``()`` each) to fill, from :meth:`take` or :meth:`sparse_row`, and
+        of n entries' rows (``()`` each) to fill, from :meth:`take` or :meth:`row`, and
         they are counted, entry after entry, when it ends without an exception."""
         rows = [()] * n
         self._held = []
@@ -155,9 +182,11 @@ class StatsRecorder:
         return rows
 
     @staticmethod
-    def sparse_row(st, selected, words, seconds, density):
-        """The row of a sparsified tensor sent finite in a payload of ``words`` int32 words."""
-        return (st, selected, 4 * words + PLACEHOLDER_BYTES, False, seconds, density, (0, 0))
+    def row(st, selected, payload_bytes, nonfinite, seconds, density, fp16=(0, 0)):
+        """The row of a sparsified tensor sent in a payload of ``payload_bytes`` (with the
+        placeholder of Horovod's allreduce)."""
+        return (st, selected, payload_bytes + PLACEHOLDER_BYTES, nonfinite, seconds, density,
+                fp16)
 
     # ------------------------------------------------------------- counting
     def count(self, st, selected, wire_bytes, nonfinite, seconds, density, fp16=(0, 0)):
@@ -200,19 +229,6 @@ class StatsRecorder:
             self._new_step()
         names.add(name)
 
-    def count_batch(self, sts, counts, words, seconds, density):
-        """Statistics of a batch whose rows the kernel all finished, as :meth:`count_rows` counts
-        them row by row: sts (TensorState per row, in order; distinct names), counts / words
-        (selected entries and payload words per row), seconds (the whole call, shared by element
-        count). A step begins at the first row whose tensor this step has seen."""
-        names = self.names
-        j = next((r for r, st in enumerate(sts) if st.name in names), len(sts))
-        share = seconds / sum(st.numel for st in sts)
-        self._add_segment(sts[:j], counts[:j], words[:j], share, density)
-        if j < len(sts):
-            names.clear()
-            self._add_segment(sts[j:], counts[j:], words[j:], share, density)
-
     def add_wire_bytes(self, nbytes, received=0):
         """Bytes sent (and received) outside a tensor's payload (see DGCCore.add_wire_bytes)."""
         for s in (self.step, self.total):
@@ -230,18 +246,6 @@ class StatsRecorder:
         self.step = CompressionStats()
         self.step.steps = 1
         self.total.steps += 1
-
-    def _add_segment(self, sts, counts, words, share, density):
-        if not sts:
-            return
-        names = self.names
-        if not names:                              # the first tensor of a step
-            self._new_step()
-        names.update(st.name for st in sts)
-        n = sum(st.numel for st in sts)
-        self._add_totals(len(sts), len(sts), n, sum(counts),
-                         4 * sum(words) + PLACEHOLDER_BYTES * len(sts), 0, share * n, density,
-                         PLACEHOLDER_BYTES * len(sts))
 
     def _add_rows(self, seg):
         if not seg:

@@ -1,69 +1,87 @@
 """Wire format of one rank's sparse contribution, and the rank-ordered decode (sum).
 
-Format ``DGC v2``: one flat int32 tensor per gradient tensor per rank, in native byte order
-(Horovod allgather concatenates the ranks' tensors in rank order)::
+Format ``DGC v3``: one flat int32 tensor per gradient tensor per rank, in native byte order
+(Horovod allgather concatenates the ranks' tensors in rank order). Its size follows from the
+tensor's size n and its target count k alone (:func:`payload_words`), so an engine on a device
+knows it before the selection is made::
 
-    word 0   MAGIC_V2 = 0x44474302  ('D' 'G' 'C' + format version 2; any other value is rejected)
-    word 1   numel     elements of the dense tensor (0 < numel < 2**31)
-    word 2   count     c, entries sent by this rank (0 <= c <= numel)
+    word 0   MAGIC_V3 = 0x44474303  ('D' 'G' 'C' + format version 3; any other value is rejected)
+    word 1   numel     n, elements of the dense tensor (0 < n < 2**31)
+    word 2   count     c, entries sent by this rank (0 <= c <= k)
     word 3   flags | index_encoding << 8 | value_dtype << 16
                flags bit 0 (FLAG_NONFINITE): this rank's gradient had NaN/Inf and sent nothing
                index_encoding: 0 = INDEX_INT32, 1 = INDEX_DELTA16;  value_dtype: 0 = FP32, 1 = FP16
     word 4   tokens    t, number of 16-bit index tokens (delta16), or c (int32)
-    then     index section, padded to whole words:
-               INDEX_INT32:   c words, the positions in the flattened tensor (unordered, unique)
+    word 5   k         the capacity: entries the payload has room for (c <= k <= n)
+    then     index section of :func:`index_words` (n, k) words, the used part first, then zeros:
+               INDEX_INT32:   c words, the positions in the flattened tensor, ascending
                INDEX_DELTA16: ceil(t/2) words holding t uint16 tokens (two per word, low half
                  first), for the positions in ascending order. Token d in 1..65535 advances the
                  position by d and emits an entry (the first entry's position is d - 1); token 0
                  advances by 65535 without an entry (the escape for gaps > 65535, so any gap,
-                 up to 2**31, is encoded exactly). The paper's "16-bit run lengths of zeros".
-    then     value section, padded to whole words, in the order of the indices:
+                 up to 2**31, is encoded exactly; at most (n - 1) // 65535 of them). The paper's
+                 "16-bit run lengths of zeros".
+    then     value section of :func:`value_words` (k) words, the used part first, then zeros,
+             in the order of the indices:
                FP32: c words (IEEE-754 float32 bit patterns);  FP16: ceil(c/2) words, two
                IEEE-754 float16 values per word, low half first (±inf: a value beyond float16's
                range, sent so that every rank sees the overflow: decode_sum reports it non-finite)
 
-Bytes: 20 + 4·(index words + value words); e.g. delta16 + fp32 ≈ 20 + 6c, int32 + fp32 = 20 + 8c,
-delta16 + fp16 ≈ 20 + 4c. Every payload describes its own encoding, so decoding never depends on
-the receiver's settings; a payload of another format version is rejected by its magic word.
+Bytes: 24 + 4·(index words + value words); e.g. delta16 + fp32 ≈ 24 + 6k, int32 + fp32 = 24 + 8k,
+delta16 + fp16 ≈ 24 + 4k. Every payload describes its own encoding and capacity, so decoding never
+depends on the receiver's settings; a payload of another format version is rejected by its magic
+word. Padding words are zero, so equal selections give equal payloads on every engine.
 """
-import math
 from itertools import accumulate
 
-__all__ = ["MAGIC_V2", "BUCKET_MAGIC", "frame_bucket", "split_bucket", "BUCKET_HEADER_BYTES", "FLAG_NONFINITE", "HEADER_WORDS", "HEADER_BYTES", "MAX_NUMEL",
-           "INDEX_ENCODINGS", "VALUE_DTYPES", "encode", "encode_many", "decode_sum",
-           "read_payload", "payload_bytes",
+__all__ = ["MAGIC_V3", "BUCKET_MAGIC", "frame_bucket", "split_bucket", "BUCKET_HEADER_BYTES",
+           "FLAG_NONFINITE", "HEADER_WORDS", "HEADER_BYTES", "MAX_NUMEL", "ESCAPE",
+           "INDEX_ENCODINGS", "VALUE_DTYPES", "encode", "decode_sum", "read_payload",
+           "payload_words", "payload_bytes", "index_words", "value_words", "max_escapes",
            "check_numel", "WireFormatError"]
 
-MAGIC_V2 = 0x44474302
+MAGIC_V3 = 0x44474303
 BUCKET_MAGIC = 0x44474342          # 'D' 'G' 'C' 'B'
 BUCKET_HEADER_BYTES = 8            # [BUCKET_MAGIC, entries]; then 4 bytes per entry + payload
 FLAG_NONFINITE = 1
-HEADER_WORDS = 5
+HEADER_WORDS = 6
 HEADER_BYTES = 4 * HEADER_WORDS
 MAX_NUMEL = 2 ** 31 - 1
 INDEX_ENCODINGS = ("int32", "delta16")
 VALUE_DTYPES = ("float32", "float16")
-_ESCAPE = 65535          # the gap advanced by one escape token (token 0)
+#: The gap advanced by one escape token (token 0) of a delta16 index section.
+ESCAPE = 65535
 
 
 class WireFormatError(ValueError):
     """A received payload does not follow the DGC wire format (names tensor and rank)."""
 
 
-def payload_bytes(count, index="int32", values="float32", tokens=None):
-    """Bytes one rank puts on the wire for a tensor when it sends ``count`` entries.
-
-    ``tokens`` (delta16 only): number of 16-bit tokens, count plus escapes (default: no escape).
-    """
-    idx_words, val_words = _section_words(count, index, values,
-                                          count if tokens is None else tokens)
-    return HEADER_BYTES + 4 * (idx_words + val_words)
+def max_escapes(numel):
+    """The most escape tokens a delta16 index section of a tensor of ``numel`` elements holds:
+    the gaps of ascending positions below numel add up to at most numel, so (numel - 1) // 65535."""
+    return (numel - 1) // ESCAPE
 
 
-def _section_words(count, index, values, tokens):
-    """(index words, value words) of a payload's body, as laid out in the module docstring."""
-    return (count if index == "int32" else math.ceil(tokens / 2),
-            count if values == "float32" else math.ceil(count / 2))
+def index_words(numel, k, index="delta16"):
+    """Words of the index section of a payload with room for k entries."""
+    return k if index == "int32" else (k + max_escapes(numel) + 1) // 2
+
+
+def value_words(k, values="float32"):
+    """Words of the value section of a payload with room for k entries."""
+    return k if values == "float32" else (k + 1) // 2
+
+
+def payload_words(numel, k, index="delta16", values="float32"):
+    """The size in int32 words of every payload of a tensor of ``numel`` elements with room for
+    k entries (whatever it holds)."""
+    return HEADER_WORDS + index_words(numel, k, index) + value_words(k, values)
+
+
+def payload_bytes(numel, k, index="delta16", values="float32"):
+    """Bytes one rank puts on the wire for a tensor whose payloads have room for k entries."""
+    return 4 * payload_words(numel, k, index, values)
 
 
 def check_numel(numel, name):
@@ -81,24 +99,32 @@ def _delta16_tokens(B, idx):
         return idx
     prev = B.cat([B.int64_tensor([-1], like=idx), B.slice(idx, 0, c - 1)])
     gaps = idx - prev                                   # >= 1
-    escapes = (gaps - 1) // _ESCAPE
+    escapes = (gaps - 1) // ESCAPE
     pos = B.cumsum(escapes + 1) - 1                     # where each entry's token goes
     n_tokens = B.to_list(B.slice(pos, c - 1, c))[0] + 1
-    return B.put(B.int64_zeros(n_tokens, like=idx), pos, gaps - escapes * _ESCAPE)
+    return B.put(B.int64_zeros(n_tokens, like=idx), pos, gaps - escapes * ESCAPE)
 
 
-def encode(B, numel, indices, values, flags=0, index="int32", value_dtype="float32"):
+def _padded(B, words, size, like):
+    """The int32 words followed by zeros up to ``size`` words."""
+    pad = size - B.numel(words)
+    return words if not pad else B.cat([words, B.to_int32(B.int64_zeros(pad, like=like))])
+
+
+def encode(B, numel, indices, values, flags=0, index="int32", value_dtype="float32", k=None):
     """Build one rank's payload.
 
     Args:
         B: backend. numel (int): elements of the dense tensor.
-        indices: int64 tensor (c,), unique positions (ascending for delta16).
+        indices: int64 tensor (c,), unique positions, ascending.
         values: float32 tensor (c,), in the order of ``indices``.
         flags (int): FLAG_* bits. index: "int32" or "delta16". value_dtype: "float32"/"float16".
+        k (int or None): the capacity (c <= k <= numel); None: c.
     Returns:
-        flat int32 tensor (HEADER_WORDS + index words + value words).
+        flat int32 tensor of :func:`payload_words` (numel, k) words.
     """
     c = B.numel(indices)
+    k = c if k is None else k
     if index == "int32":
         tokens, idx_words = c, B.to_int32(indices)
     else:
@@ -106,72 +132,38 @@ def encode(B, numel, indices, values, flags=0, index="int32", value_dtype="float
         tokens, idx_words = B.numel(toks), B.pack16(toks)
     val_words = B.float32_bits(values) if value_dtype == "float32" else B.pack_fp16(values)
     word3 = flags | INDEX_ENCODINGS.index(index) << 8 | VALUE_DTYPES.index(value_dtype) << 16
-    header = B.int32_tensor([MAGIC_V2, numel, c, word3, tokens], like=values)
-    return B.cat([header, idx_words, val_words])
-
-
-def encode_many(B, numels, counts, local, values):
-    """The payloads of several tensors at once (``delta16`` indices, float32 values): the same
-    words as one :func:`encode` per tensor, with O(1) backend calls whatever the number of
-    tensors (the bucket path, :mod:`~dgc_horovod.core.bucket_ops`).
-
-    Args:
-        B: backend. numels, counts (lists of ints): per tensor, its elements and its entries.
-        local: int64 tensor (sum(counts),), each tensor's positions in its own tensor, ascending
-            and unique, the tensors one after the other. values: float32 tensor, in that order.
-    Returns:
-        (payloads, words): the flat int32 payloads (views of one buffer) and their lengths in
-        words, one per tensor.
-    """
-    T, C = len(numels), sum(counts)
-    starts = list(accumulate(counts, initial=0))
-    firsts = [a for a, c in zip(starts, counts) if c]
-    tokens = [0] * T
-    if C:
-        # delta16 tokens of every tensor at once: gaps from the previous position of the same
-        # tensor (-1 before its first), escapes for gaps > 65535 (see _delta16_tokens)
-        prev = B.cat([B.int64_tensor([-1], like=local), B.slice(local, 0, C - 1)])
-        prev = B.put(prev, B.int64_tensor(firsts, like=local),
-                     B.int64_tensor([-1] * len(firsts), like=local))
-        gaps = local - prev
-        escapes = (gaps - 1) // _ESCAPE
-        ends = B.cumsum(escapes + 1)                        # tokens up to each entry
-        last = B.to_list(B.take(ends, B.int64_tensor([a + c - 1 for a, c in zip(starts, counts)
-                                                      if c], like=local)))
-        it = iter(last)
-        done = 0
-        for j, c in enumerate(counts):
-            if c:
-                end = next(it)
-                tokens[j], done = end - done, end
-    words = [HEADER_WORDS + sum(_section_words(c, "delta16", "float32", t))
-             for c, t in zip(counts, tokens)]
-    base = list(accumulate(words, initial=0))               # each payload's first word
-    total = base[-1]
-    out = B.int64_zeros(2 * total, like=local)              # the 16-bit halves of every word
-    if C:
-        # token i of tensor j goes to half-word 2·(base_j + 5) + (its rank in tensor j's tokens)
-        before = list(accumulate(tokens, initial=0))
-        at = B.repeat(B.int64_tensor([2 * (b + HEADER_WORDS) - t for b, t in
-                                      zip(base[:T], before)], like=local), counts) + ends - 1
-        out = B.put(out, at, gaps - escapes * _ESCAPE)
-    out = B.pack16(out)
-    header = [MAGIC_V2, 0, 0, INDEX_ENCODINGS.index("delta16") << 8, 0]
-    hpos, hval = [], []
-    for j in range(T):
-        header[1], header[2], header[4] = numels[j], counts[j], tokens[j]
-        hpos += range(base[j], base[j] + HEADER_WORDS)
-        hval += header
-    out = B.put(out, B.int64_tensor(hpos, like=local), B.int32_tensor(hval, like=local))
-    if C:
-        at = B.repeat(B.int64_tensor([b + w - c - a for b, w, c, a in
-                                      zip(base, words, counts, starts)], like=local), counts)
-        out = B.put(out, at + B.arange(C, like=local), B.float32_bits(values))
-    return B.split(out, words), words
+    header = B.int32_tensor([MAGIC_V3, numel, c, word3, tokens, k], like=values)
+    return B.cat([header, _padded(B, idx_words, index_words(numel, k, index), values),
+                  _padded(B, val_words, value_words(k, value_dtype), values)])
 
 
 def _fail(name, rank, what):
     raise WireFormatError(f"DGC payload of tensor {name!r} from rank {rank} {what}")
+
+
+def _header(B, words, pos, total, name, rank):
+    """The checked header fields (n, c, flags, index, values, tokens, k) of the payload at word
+    ``pos`` and its length in words (its own size checks only: numel against the receiver's is
+    :func:`read_payload`'s)."""
+    if pos + HEADER_WORDS > total:
+        _fail(name, rank, f"is truncated: no complete header ({total - pos} of "
+                          f"{HEADER_WORDS} words left)")
+    magic, n, c, word3, tokens, k = B.to_list(B.slice(words, pos, pos + HEADER_WORDS))
+    if magic != MAGIC_V3:
+        _fail(name, rank, f"has header {magic & 0xFFFFFFFF:#010x}, expected {MAGIC_V3:#010x} "
+                          "(DGC wire format v3); are all ranks running the same dgc_horovod "
+                          "version?")
+    if not 0 < n <= MAX_NUMEL:
+        _fail(name, rank, f"describes {n} elements")
+    if not 0 <= c <= k <= n:
+        _fail(name, rank, f"claims {c} entries with room for {k} in a tensor of {n} elements")
+    flags, index_code, value_code = word3 & 0xFF, (word3 >> 8) & 0xFF, (word3 >> 16) & 0xFF
+    if index_code >= len(INDEX_ENCODINGS) or value_code >= len(VALUE_DTYPES) or word3 >> 24:
+        _fail(name, rank, f"has an unknown encoding word {word3:#010x}")
+    index, values = INDEX_ENCODINGS[index_code], VALUE_DTYPES[value_code]
+    if (index == "int32" and tokens != c) or not c <= tokens <= c + max_escapes(n):
+        _fail(name, rank, f"has {tokens} index tokens for {c} entries")
+    return (n, c, flags, index, values, tokens, k), payload_words(n, k, index, values)
 
 
 def read_payload(B, words, pos, numel, name="<tensor>", rank=0):
@@ -183,46 +175,30 @@ def read_payload(B, words, pos, numel, name="<tensor>", rank=0):
     Raises WireFormatError (naming tensor and rank) as :func:`decode_sum` describes.
     """
     total = B.numel(words)
-    if pos + HEADER_WORDS > total:
-        _fail(name, rank, f"is truncated: no complete header ({total - pos} of "
-                          f"{HEADER_WORDS} words left)")
-    magic, n, c, word3, tokens = B.to_list(B.slice(words, pos, pos + HEADER_WORDS))
-    if magic != MAGIC_V2:
-        _fail(name, rank, f"has header {magic & 0xFFFFFFFF:#010x}, expected {MAGIC_V2:#010x} "
-                          "(DGC wire format v2); are all ranks running the same dgc_horovod "
-                          "version?")
+    (n, c, flags, index, values, tokens, k), size = _header(B, words, pos, total, name, rank)
     if n != numel:
         _fail(name, rank, f"describes {n} elements, this rank has {numel}: the models differ")
-    if not 0 <= c <= numel:
-        _fail(name, rank, f"claims {c} entries for a tensor of {numel} elements")
-    flags, index_code, value_code = word3 & 0xFF, (word3 >> 8) & 0xFF, (word3 >> 16) & 0xFF
-    if index_code >= len(INDEX_ENCODINGS) or value_code >= len(VALUE_DTYPES) or word3 >> 24:
-        _fail(name, rank, f"has an unknown encoding word {word3:#010x}")
-    index, values = INDEX_ENCODINGS[index_code], VALUE_DTYPES[value_code]
-    if (index == "int32" and tokens != c) or not c <= tokens <= numel:
-        _fail(name, rank, f"has {tokens} index tokens for {c} entries")
-    idx_words, val_words = _section_words(c, index, values, tokens)
-    start = pos + HEADER_WORDS
-    end = start + idx_words + val_words
+    end = pos + size
     if end > total:
-        _fail(name, rank, f"is truncated: {c} entries need {idx_words + val_words} words, "
-                          f"{total - start} left")
+        _fail(name, rank, f"is truncated: room for {k} entries needs {size} words, "
+                          f"{total - pos} left")
     if not c:
         return None, None, flags, index, values, end
-    iw = B.slice(words, start, start + idx_words)
+    start = pos + HEADER_WORDS
     if index == "int32":
-        idx = iw
+        idx = B.slice(words, start, start + c)
     else:
-        toks = B.unpack16(iw, tokens)
+        toks = B.unpack16(B.slice(words, start, start + (tokens + 1) // 2), tokens)
         is_entry = toks != 0
         if B.count_true(is_entry) != c:
             _fail(name, rank, f"has {B.count_true(is_entry)} index tokens with entries, "
                               f"header says {c}")
-        idx = B.mask(B.cumsum(B.where(is_entry, toks, _ESCAPE)) - 1, is_entry)
+        idx = B.mask(B.cumsum(B.where(is_entry, toks, ESCAPE)) - 1, is_entry)
     lo, hi = B.min_max(idx)
     if lo < 0 or hi >= numel:
         _fail(name, rank, f"has index {lo if lo < 0 else hi} outside [0, {numel})")
-    vw = B.slice(words, start + idx_words, end)
+    vstart = start + index_words(n, k, index)
+    vw = B.slice(words, vstart, vstart + value_words(c, values))
     vals = B.bits_float32(vw) if values == "float32" else B.unpack_fp16(vw, c)
     return idx, vals, flags, index, values, end
 
@@ -293,14 +269,7 @@ def frame_bucket(B, entries, like):
 
 
 def _payload_words(B, words, pos, total, name, rank):
-    if pos + HEADER_WORDS > total:
-        _fail(name, rank, "is truncated: no complete payload header")
-    _, _, c, word3, tokens = B.to_list(B.slice(words, pos, pos + HEADER_WORDS))
-    index_code, value_code = (word3 >> 8) & 0xFF, (word3 >> 16) & 0xFF
-    if c < 0 or tokens < 0 or index_code >= len(INDEX_ENCODINGS) or value_code >= len(VALUE_DTYPES):
-        _fail(name, rank, f"has a malformed payload header (count {c}, encoding {word3:#x})")
-    return HEADER_WORDS + sum(_section_words(c, INDEX_ENCODINGS[index_code],
-                                             VALUE_DTYPES[value_code], tokens))
+    return _header(B, words, pos, total, name, rank)[1]
 
 
 def split_bucket(B, gathered, world_size, members, name="<bucket>"):

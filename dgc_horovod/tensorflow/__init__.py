@@ -23,12 +23,11 @@ How it rides on stock Horovod (0.28.x, unmodified):
   clipping, momentum correction, selection, encoding, and after the exchange decoding and
   averaging) is TensorFlow ops traced into the step, on state held in ``tf.Variable`` objects
   (:mod:`dgc_horovod.tensorflow.graph`): nothing returns to Python per step, the ops run where
-  TensorFlow places them. On a CPU the results are the core's on the TensorFlow backend, bit
-  for bit (``tests/test_tf_graph.py``); on a GPU not measured (no GPU machine here has Horovod),
-  where TensorFlow's kernels may round u·m + g once instead of twice.
+  TensorFlow places them. On a CPU the results are the core's reference engine's, bit for bit
+  (``tests/test_tf_graph.py``); on a GPU not measured (no GPU machine here has Horovod).
   ``in_graph=False`` runs the core eagerly in ``tf.py_function`` ops instead
-  (:class:`~dgc_horovod.tensorflow.host.HostPath`): on NumPy arrays and the fused C kernels
-  where TensorFlow sees no GPU, on eager TensorFlow ops with one.
+  (:class:`~dgc_horovod.tensorflow.host.HostPath`): on NumPy arrays and the C engine where
+  TensorFlow sees no GPU, on eager TensorFlow ops with one.
 * **Exchange.** The sparsified tensors' payloads go through ``hvd.allgather`` (an op in the same
   graph), one per bucket (``bucket_numel``, cut as PyTorch's plan cuts it, over the gradients in
   Horovod's order; ``bucket_numel=0`` and ``in_graph=False``: one per tensor); Horovod's own
@@ -135,9 +134,7 @@ class DGC(DGCAdapter, Compressor):
 
     # checkpoints and Horovod Elastic (the rule: dgc_horovod.adapter; states: elastic.py) ------
     def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
-        current = self._core.B.generator_state(self._core._generator)
-        super().load_state_dict(self._host.portable(state_dict, current), reset_residuals,
-                                process_set)
+        super().load_state_dict(self._host.portable(state_dict), reset_residuals, process_set)
         self._drop_pending()
 
     load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__

@@ -21,12 +21,12 @@ keyword argument that is a DGC is taken out of Horovod's plain-object handling a
 :class:`dgc_horovod.adapter.ElasticHandler`, the one PyTorch's ``TorchState`` handler uses:
 
 * ``commit()`` / ``save()``: a copy of this rank's DGC state (velocities u, residuals v, warm-up
-  position, sampling generator, statistics) with the model's.
+  position, statistics) with the model's.
 * ``restore()`` (Horovod calls it after a HorovodInternalError): back to the committed state,
   bit for bit; exchanges of the failed step are dropped.
 * ``sync()`` (collective): the ranks compare their DGC configs (a ValueError on every rank,
-  naming the settings, if they differ), every rank takes rank 0's warm-up position and sampling
-  generator, and the union of the model signatures the ranks have compared.
+  naming the settings, if they differ), every rank takes rank 0's warm-up position, and the
+  union of the model signatures the ranks have compared.
 * ``reset()`` (Horovod calls it at every reset, after re-initializing, whatever the cause):
   DGC's reset rule, :meth:`DGC.on_reset`: every rank drops its velocities and residuals. The
   world size N is read when each step runs, so the traced step (Keras keeps its train function

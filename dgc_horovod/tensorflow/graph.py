@@ -2,56 +2,49 @@
 ``tf.py_function``, no Python per step (the TensorFlow adapter's default, ``DGC(in_graph=True)``).
 
 The state is the core's (:class:`GraphCore` is a :class:`~dgc_horovod.core.DGCCore` whose
-tensors are ``tf.Variable``\\ s of the TensorFlow backend); the steps are those of the eager
-core, written as graph ops, in the order they run (Lin et al. 2018, Algorithm 1):
+tensors are ``tf.Variable``\\ s of the TensorFlow backend); the steps are those of the engine
+contract (:mod:`dgc_horovod.core.engine`) as graph ops, with every rule, constant and size from
+``core/``: the plan, hash and selection rule of :mod:`~dgc_horovod.core.sparsify` (its integer
+functions run on the graph's int64 tensors unchanged), the payload layout and sizes of
+:mod:`~dgc_horovod.core.wire`, the arithmetic of :mod:`~dgc_horovod.core.accumulate`. In order
+(Lin et al. 2018, Algorithm 1):
 
 1. **step** (:meth:`GraphCore.step_ops`, once per traced reduction, in the graph that holds the
-   gradients): the step counter, a ``tf.Variable``, advances; the warm-up density (§3.3) is the
-   core's own :func:`~dgc_horovod.core.warmup.density_at_step` table at that step (or, with
-   ``warmup_epochs``, a variable :meth:`GraphCore.set_epoch` sets); the world size N; the local
-   clipping factor over all of the rank's gradients (§3.2, ``clip_scope="global"``); and every
-   sparsified tensor's threshold samples (§5), drawn from the core's generator in the order
-   Horovod hands the gradients over, as the eager core draws them;
+   gradients): the step counter, a ``tf.Variable``, advances; with the seed and the tensor it
+   fixes the samples (:func:`~dgc_horovod.core.sparsify.sample_base`), and with the
+   step-counted warm-up (§3.3) the density: each tensor's plan (k, s, ks1, ks2, cap) is
+   evaluated at trace time for each density of :func:`~dgc_horovod.core.warmup.
+   density_at_step` and the graph picks the step's (with ``warmup_epochs`` the plan is a
+   variable that :meth:`GraphCore.set_epoch` sets: the density changes only there). Also N and
+   the local clipping factor over all of the rank's gradients (§3.2, ``clip_scope="global"``);
 2. **clip and accumulate** (§3.1-3.2, :meth:`GraphCore.compress_ops`): s·g (+ λ·w with
-   ``weight_decay_mode="accumulated"``), then momentum correction
-   (:func:`~dgc_horovod.core.accumulate.momentum_correction` on the variables, the same backend
-   calls as the eager path); a gradient with NaN/Inf leaves the state untouched;
-3. **select** (§5, :func:`select`): the sampled threshold, the candidates and the settle rule of
-   :func:`~dgc_horovod.core.sparsify.select_topk` as ``tf.case`` branches;
-4. **mask** (§3.2): :func:`~dgc_horovod.core.accumulate.clear_sent`; float16 wire values round
-   as :func:`~dgc_horovod.core.precision.round_to_fp16` rounds them;
-5. **encode** (:func:`encode`): the payload of :mod:`dgc_horovod.core.wire`, word for word;
-   in buckets (``bucket_numel``, :meth:`GraphCore.plan_ops`, the default) the payloads of a
-   bucket's members framed into one segment (:func:`frame_bucket`, the words of
-   :func:`~dgc_horovod.core.wire.frame_bucket`) for one ``hvd.allgather`` per bucket;
+   ``weight_decay_mode="accumulated"``), then momentum correction (:func:`accumulate`); a
+   gradient with NaN/Inf leaves the state untouched;
+3. **select** (§5, :func:`select`); 4. **mask** (§3.2, :func:`~dgc_horovod.core.accumulate.
+   clear_sent`), float16 rounding as :func:`~dgc_horovod.core.precision.round_to_fp16`;
+5. **encode** (:func:`encode`): :func:`~dgc_horovod.core.wire.payload_words` (n, k) words; in
+   buckets (``bucket_numel``, :meth:`GraphCore.plan_ops`, the default) a bucket's payloads
+   framed into one segment (:func:`frame_bucket`) for one ``hvd.allgather``;
 6. after Horovod's allgather, **decode and average** (:func:`decode_sum`, :func:`decode_bucket`,
-   :meth:`GraphCore.decompress_ops`): every rank's payload summed in rank order (a
-   ``tf.while_loop`` over the ranks), times 1/N under ``op=hvd.Average``; after a non-finite
-   step NaN everywhere and this rank's sent entries put back; then the separate weight decay
-   (``weight_decay_mode="separate"``).
+   :meth:`GraphCore.decompress_ops`): every rank's payload summed in rank order, times
+   float32(1/N) under ``op=hvd.Average``; after a non-finite step NaN everywhere and this rank's
+   sent entries put back; then the separate weight decay (``weight_decay_mode="separate"``).
 
-How Horovod's conventions map onto the paper's: as in the eager core
-(:mod:`dgc_horovod.core.compressor`): each rank accumulates its mean gradient g_k = N·∇k and
-the decoded sum is divided by N, which by linearity is Algorithm 1's update; the local clipping
-threshold is C·√N under Average (C/√N under Sum).
-
-On a CPU, the same results as the eager core on the TensorFlow backend, bit for bit: payloads,
-state, updates, generator state (``tests/test_tf_graph.py`` runs both side by side for every
-option; among equal magnitudes both send the lower positions). On a GPU not measured: no GPU
-machine here has Horovod, and TensorFlow's GPU kernels may round u·m + g once (a fused
-multiply-add) where the CPU rounds twice.
+Horovod's conventions map onto the paper's as in the eager core
+(:mod:`dgc_horovod.core.compressor`). On a CPU the results are the eager core's reference
+engine's, bit for bit: payloads, state, updates, statistics (``tests/test_tf_graph.py``, every
+option); on a GPU not measured (no GPU machine here has Horovod).
 
 A step is one run of a traced reduction in which Horovod reduces (its ``_allreduce_cond``
-holds: this rank in the process set, more than one rank): the step counter, the warm-up and the
-threshold draws advance then, as they do when the eager core's compress runs. A training step
-that runs two reductions (two ``tape.gradient`` calls) counts two steps; the eager core counts a
-step when a tensor comes again, i.e. one step where the two reduce different variables (a GAN's
-two models): there the warm-up advances twice as fast in the graph (``warmup_epochs`` with
-``set_epoch`` does not depend on it).
-What the graph does not do per step: ``compress_seconds`` is 0 (no clock in the graph); the statistics
-are counted in ``tf.Variable``\\ s, one row per tensor, and read when ``dgc.stats`` is;
-float16 overflow / flush warnings are given when the statistics (or a checkpoint) are read; the
-warning that an epoch-driven warm-up never got ``set_epoch()`` is printed to stderr by the step.
+holds: this rank in the process set, more than one rank): the step counter and the warm-up
+advance then, as when the eager core's compress runs. A training step that runs two reductions
+(two ``tape.gradient`` calls) counts two steps, where the eager core counts one if the two
+reduce different variables (a GAN's two models): there the step-counted warm-up advances twice
+as fast in the graph. Not done per step: ``compress_seconds`` is 0 (no clock in the graph); the
+statistics are counted in ``tf.Variable``\\ s, one row per tensor, and read when ``dgc.stats``
+is; float16 overflow / flush warnings are given when the statistics (or a checkpoint) are read;
+the warning that an epoch-driven warm-up never got ``set_epoch()`` is printed to stderr by the
+step.
 """
 import os
 import sys
@@ -59,21 +52,19 @@ import sys
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from dgc_horovod.backends.tf_backend import variable
-from dgc_horovod.core import DGCCore, wire
-from dgc_horovod.core import checkpoint, compressor
-from dgc_horovod.core.checkpoint import FitCheck
-from dgc_horovod.core.accumulate import clear_sent, momentum_correction
+from dgc_horovod.backends.tf_backend import TFBackend, variable
+from dgc_horovod.core import DGCCore, checkpoint, compressor, precision, sparsify, wire
+from dgc_horovod.core import accumulate as core_accumulate
+from dgc_horovod.core.accumulate import clear_sent, momentum_correction, restore_sent
 from dgc_horovod.core.buckets import plan_buckets
-from dgc_horovod.core.sparsify import MIN_SAMPLES, SAMPLE_OVERSHOOT, is_sparse
+from dgc_horovod.core.checkpoint import FitCheck
 from dgc_horovod.core.stats import CompressionStats
 from dgc_horovod.core.warmup import density_at_step
 from dgc_horovod.tensorflow.variables import collective_name
 
-__all__ = ["GraphCore", "GraphPath", "select", "top_k_ascending", "encode", "decode_sum",
-           "frame_bucket", "decode_bucket", "global_clip_factor"]
+__all__ = ["GraphCore", "GraphPath", "select", "encode", "decode_sum", "frame_bucket",
+           "decode_bucket", "global_clip_factor"]
 
-_ESCAPE = 65535
 #: DGC's graph functions are traced as written: AutoGraph must not rewrite their Python control
 #: flow, which depends only on settings and static shapes
 _plain = tf.autograph.experimental.do_not_convert
@@ -84,106 +75,49 @@ _RECEIVED = FIELDS.index("received_bytes")
 _WIRE = FIELDS.index("wire_bytes")
 
 
+class _Bits32(TFBackend):
+    """The TensorFlow backend (whose ops are graph ops too) for sparsify's functions; its
+    :func:`~dgc_horovod.core.sparsify.magnitude_bits` stay int32 (they fit in 31 bits): half
+    the bytes of int64 in the passes over a tensor."""
+
+    def to_int64(self, x): return x
+
+
+_B = _Bits32()
+
+
 # --------------------------------------------------------------------------- the steps as ops
-@_plain
-def k_for(numel, density):
-    """:func:`~dgc_horovod.core.sparsify.k_for` in float64 graph ops (the same rounding);
-    ``density``: float64 scalar tensor. int64 scalar."""
-    k = tf.math.ceil(density * float(numel) - 1e-9)
-    return tf.cast(tf.clip_by_value(k, 1.0, float(numel)), tf.int64)
-
-
-def sample_count(numel, config):
-    """s of :func:`~dgc_horovod.core.sparsify.sample_count` when the tensor samples (2k < n)."""
-    return 0 if config.exact_topk else min(numel, max(MIN_SAMPLES,
-                                                      -int(-config.sample_ratio * numel // 1)))
-
-
-def _topk(x, k):
-    """The TensorFlow backend's topk_indices (the same op, the same ties)."""
-    return tf.cast(tf.math.top_k(x, tf.cast(k, tf.int32), sorted=False).indices, tf.int64)
-
-
-#: bins of :func:`top_k_ascending`'s histogram: the top 15 bits of a non-negative float32
-_BINS = 1 << 15
-#: up to this many elements :func:`top_k_ascending` sorts ``tf.math.top_k``'s positions (the
-#: histogram's fixed cost, its 32768 bins, is more than top-k's there)
-_SMALL = 1 << 16
+def plan_row(n, density, config):
+    """The :func:`~dgc_horovod.core.sparsify.plan` of a tensor of n elements as the int64 row
+    the graph reads: [k, s, ks1, ks2, cap]."""
+    p = sparsify.plan(n, density, config)
+    return [p.k, p.s, p.ks1, p.ks2, p.cap]
 
 
 @_plain
-def top_k_ascending(mag, k):
-    """The positions of the k largest of ``mag`` (non-negative float32, k <= its size), in
-    ascending order; among equal values the lower positions, as ``tf.math.top_k`` chooses them
-    on a CPU. Up to 65536 elements: top-k's positions sorted. Beyond, O(n): non-negative floats
-    order as their int32 bit patterns, so one histogram of the top 15 bits finds the bin that
-    holds the k-th largest, a top-k of that bin alone its value t, and the result is every
-    element above t and the first of those equal to t."""
-    def small():
-        return tf.cast(tf.sort(tf.cast(_topk(mag, k), tf.int32)), tf.int64)
-
-    n = mag.shape[0]
-    if n is not None:       # a static size (a whole tensor) picks one at trace time
-        return small() if n <= _SMALL else _histogram_top_k(mag, k)
-    return tf.cond(tf.size(mag) <= _SMALL, small, lambda: _histogram_top_k(mag, k))
-
-
-def _histogram_top_k(mag, k):
-    """:func:`top_k_ascending` beyond ``_SMALL`` elements (its docstring)."""
-    bits = tf.bitcast(mag, tf.int32)
-    hi = tf.bitwise.right_shift(bits, 16)
-    counts = tf.cast(tf.math.bincount(hi, minlength=_BINS, maxlength=_BINS, dtype=tf.int32),
-                     tf.int64)      # int32: the dtype every device has a kernel for
-    k = tf.cast(k, tf.int64)
-    upto = tf.cumsum(counts, reverse=True)              # elements in this bin or above
-    b = tf.math.count_nonzero(upto >= k, dtype=tf.int32) - 1
-    rank = tf.cast(k - (upto[b] - counts[b]), tf.int32)     # t's rank inside bin b
-    t = tf.math.top_k(tf.gather(bits, tf.reshape(tf.where(tf.equal(hi, b)), [-1])),
-                      rank, sorted=True).values[rank - 1]
-    above = bits > t
-    tie = tf.equal(bits, t)
-    need = k - tf.math.count_nonzero(above, dtype=tf.int64)
-    keep = tf.logical_or(above, tf.logical_and(
-        tie, tf.cumsum(tf.cast(tie, tf.int64)) <= need))
-    return tf.reshape(tf.where(keep), [-1])
-
-
-@_plain
-def select(mag, k, draws, ascending=True):
-    """:func:`~dgc_horovod.core.sparsify.select_topk` as graph ops: the positions to send (int64,
-    unique, zeros dropped) among the magnitudes ``mag`` (float32, n elements) for the target
-    count ``k`` (int64 scalar tensor). ``draws``: None (exact top-k), or the s float64 uniforms
-    of the tensor's threshold samples, used when 2k < n (as sample_count rules).
-    ``ascending``: the positions in ascending order, each top-k by :func:`top_k_ascending`
-    (the same sets as ``tf.math.top_k``, without its sort); False: ``tf.math.top_k``'s order,
-    as the eager core sends int32 indices."""
-    n = mag.shape[0]
-
-    def topk_of(positions):
-        if not ascending:
-            return _topk(mag if positions is None else tf.gather(mag, positions), k)
-        return top_k_ascending(mag if positions is None else tf.gather(mag, positions), k)
-
-    def exact():
-        return topk_of(None)
-
-    def by_sample():
-        s = int(draws.shape[0])
-        samples = tf.gather(mag, tf.minimum(tf.cast(draws * float(n), tf.int64), n - 1))
-        # threshold_rank: min(s, max(1, ceil(1.25 · k · s / n))), the same float64 operations
-        rank = tf.cast(tf.clip_by_value(tf.math.ceil(
-            SAMPLE_OVERSHOOT * tf.cast(k, tf.float64) * float(s) / float(n)), 1.0, float(s)),
-            tf.int32)
-        threshold = tf.math.top_k(samples, rank, sorted=True).values[rank - 1]
-        cand = tf.reshape(tf.where(mag >= threshold), [-1])
-        count = tf.size(cand, out_type=tf.int64)
-        # the settle rule (sparsify.settle): > k the exact top-k among the candidates; < k/2 an
-        # exact top-k over all; else the candidates
-        return tf.case([(count > k, lambda: tf.gather(cand, topk_of(cand))),
-                        (2 * count < k, exact)], default=lambda: cand)
-
-    idx = exact() if draws is None else tf.cond(2 * k < n, by_sample, exact)
-    return tf.boolean_mask(idx, tf.gather(mag, idx) > 0)
+def select(v, n, plan, base):
+    """:func:`~dgc_horovod.core.sparsify.select` as graph ops, without a host read: the
+    positions of ``v`` (float32, n elements) the rule sends, ascending (int64). ``plan``: int64
+    [k, s, ks1, ks2, cap] (:func:`plan_row`); ``base``: the tensor's
+    :func:`~dgc_horovod.core.sparsify.sample_base` (an int64 scalar tensor)."""
+    k, s, ks1, ks2, cap = tf.unstack(plan, 5)
+    bits = sparsify.magnitude_bits(_B, v)
+    sampled = tf.gather(bits, sparsify.sample_positions(_B, base, s, n, None))
+    # the ks-th largest sample: one top-k of the samples and a 0 (below every magnitude), so
+    # that without samples (s = ks1 = ks2 = 0) both thresholds are MIN_BITS
+    top = tf.math.top_k(tf.concat([sampled, tf.zeros([1], tf.int32)], 0),
+                        tf.cast(tf.maximum(ks2, 1), tf.int32)).values
+    t1, t2 = (tf.maximum(top[tf.maximum(ks, 1) - 1], sparsify.MIN_BITS) for ks in (ks1, ks2))
+    # the level: t1 if at least k magnitudes reach it, else t2 (a second pass, rarely)
+    cand = tf.reshape(tf.where(bits >= t1), [-1])                   # ascending
+    cand = tf.cond(tf.size(cand, out_type=tf.int64) >= k, lambda: cand,
+                   lambda: tf.reshape(tf.where(bits >= t2), [-1]))[:cap]
+    # the k largest by (magnitude, then the lower position): distinct int64 keys in the order
+    # of sparsify.select's (magnitude · 2**32 minus the position)
+    keys = tf.cast(tf.gather(bits, cand), tf.int64) * 2 ** 32 - cand
+    top = tf.math.top_k(keys, tf.cast(tf.minimum(k, tf.size(cand, out_type=tf.int64)),
+                                      tf.int32), sorted=False).indices
+    return tf.sort(tf.gather(cand, top))
 
 
 def _pack16(tokens):
@@ -193,24 +127,32 @@ def _pack16(tokens):
     return tf.bitcast(tf.reshape(t, [-1, 2]), tf.int32)
 
 
+def _padded(words, size):
+    """int32 ``words`` followed by zeros up to ``size`` words (a scalar tensor)."""
+    return tf.pad(words, [[0, tf.cast(size, tf.int32) - tf.size(words)]])
+
+
 @_plain
-def encode(numel, idx, values, flags=0, index="delta16", value_dtype="float32"):
+def encode(numel, idx, values, k, flags=0, index="delta16", value_dtype="float32"):
     """:func:`dgc_horovod.core.wire.encode` as graph ops, the same words: ``idx`` int64
-    positions (ascending for delta16), ``values`` float32 in their order, ``flags`` an int or
-    an int32 scalar tensor; the int32 payload."""
+    positions (ascending), ``values`` float32 in their order, ``k`` the capacity (an int or an
+    int64 scalar tensor), ``flags`` an int or an int32 scalar tensor; the int32 payload of
+    :func:`~dgc_horovod.core.wire.payload_words` (numel, k) words."""
     c = tf.size(idx)
+    k = tf.cast(k, tf.int64)
     if index == "int32":
         tokens, idx_words = c, tf.cast(idx, tf.int32)
     else:
         prev = tf.concat([tf.constant([-1], tf.int64), idx], 0)[:-1]
         gaps = idx - prev                                   # >= 1
-        escapes = (gaps - 1) // _ESCAPE
+        escapes = (gaps - 1) // wire.ESCAPE
         ends = tf.cumsum(escapes + 1)                       # tokens up to each entry
         n_tokens = tf.reduce_sum(escapes + 1)
-        # no gap beyond 65535 (the common case): the tokens are the gaps
+        # no gap beyond ESCAPE (the common case): the tokens are the gaps
         toks = tf.cond(tf.equal(n_tokens, tf.size(idx, out_type=tf.int64)), lambda: gaps,
                        lambda: tf.scatter_nd(tf.reshape(ends - 1, [-1, 1]),
-                                             gaps - escapes * _ESCAPE, tf.reshape(n_tokens, [1])))
+                                             gaps - escapes * wire.ESCAPE,
+                                             tf.reshape(n_tokens, [1])))
         tokens = tf.cast(n_tokens, tf.int32)
         idx_words = _pack16(tf.cast(toks, tf.uint16))
     if value_dtype == "float32":
@@ -220,9 +162,10 @@ def encode(numel, idx, values, flags=0, index="delta16", value_dtype="float32"):
     word3 = tf.bitwise.bitwise_or(tf.cast(flags, tf.int32),
                                   wire.INDEX_ENCODINGS.index(index) << 8
                                   | wire.VALUE_DTYPES.index(value_dtype) << 16)
-    header = tf.stack([tf.constant(wire.MAGIC_V2, tf.int32), tf.constant(numel, tf.int32), c,
-                       word3, tokens])
-    return tf.concat([header, idx_words, val_words], 0)
+    header = tf.stack([tf.constant(wire.MAGIC_V3, tf.int32), tf.constant(numel, tf.int32), c,
+                       word3, tokens, tf.cast(k, tf.int32)])
+    return tf.concat([header, _padded(idx_words, wire.index_words(numel, k, index)),
+                      _padded(val_words, wire.value_words(k, value_dtype))], 0)
 
 
 def _check(cond, name, what, rank=None, subject="payload of tensor"):
@@ -237,45 +180,49 @@ def _check(cond, name, what, rank=None, subject="payload of tensor"):
 def _read_payload(gathered, total, pos, numel, name, rank):
     """:func:`~dgc_horovod.core.wire.read_payload` as graph ops, for the payload at word ``pos``:
     (the word after it, int64 positions, float32 values, whether it is non-finite: flagged, or
-    a float16 value beyond float16's range). Asserts name the tensor, the rank and the fault."""
+    a float16 value beyond float16's range). Asserts name the tensor, the rank and the fault;
+    the sizes are computed in int64 (a header cannot wrap them around)."""
     with tf.control_dependencies([_check(pos + wire.HEADER_WORDS <= total, name,
                                          "is truncated: no complete header", rank)]):
         head = tf.identity(gathered[pos:pos + wire.HEADER_WORDS])
-    magic, n, c, word3, t = tf.unstack(head, wire.HEADER_WORDS)
+    magic, n, c, word3, t, k = tf.unstack(tf.cast(head, tf.int64), wire.HEADER_WORDS)
     bits = tf.bitwise
     flags = bits.bitwise_and(word3, 0xFF)
     icode = bits.bitwise_and(bits.right_shift(word3, 8), 0xFF)
     vcode = bits.bitwise_and(bits.right_shift(word3, 16), 0xFF)
     int32_idx, fp32 = tf.equal(icode, 0), tf.equal(vcode, 0)
-    idx_words = tf.where(int32_idx, c, (t + 1) // 2)
-    val_words = tf.where(fp32, c, (c + 1) // 2)
-    start = pos + wire.HEADER_WORDS
-    end = start + idx_words + val_words
+    start = tf.cast(pos, tf.int64) + wire.HEADER_WORDS
+    vstart = start + tf.where(int32_idx, wire.index_words(n, k, "int32"),
+                              wire.index_words(n, k, "delta16"))
+    end = vstart + tf.where(fp32, wire.value_words(k, "float32"), wire.value_words(k, "float16"))
     known = tf.logical_and(tf.logical_and(icode < len(wire.INDEX_ENCODINGS),
                                           vcode < len(wire.VALUE_DTYPES)),
                            tf.equal(bits.right_shift(word3, 24), 0))
     checks = [
-        _check(tf.equal(magic, wire.MAGIC_V2), name, "has another header than DGC wire format "
-               "v2: are all ranks running the same dgc_horovod version?", rank),
+        _check(tf.equal(magic, wire.MAGIC_V3), name, "has another header than DGC wire format "
+               "v3: are all ranks running the same dgc_horovod version?", rank),
         _check(tf.equal(n, numel), name, f"describes another number of elements than this "
                f"rank's {numel}: the models differ", rank),
-        _check(tf.logical_and(0 <= c, c <= numel), name, "claims more entries than the tensor "
-               "has elements", rank),
+        _check(tf.logical_and(0 <= c, tf.logical_and(c <= k, k <= n)), name,
+               "claims more entries than it has room for, or room for more than the tensor's "
+               "elements", rank),
         _check(known, name, "has an unknown encoding word", rank),
         _check(tf.logical_and(tf.logical_or(tf.logical_not(int32_idx), tf.equal(t, c)),
-                              tf.logical_and(c <= t, t <= numel)), name,
+                              tf.logical_and(c <= t, t <= c + wire.max_escapes(n))), name,
                "has an index token count that does not fit its entries", rank),
-        _check(end <= total, name, "is truncated", rank)]
-    with tf.control_dependencies(checks):
-        iw = gathered[start:start + idx_words]
-        vw = gathered[start + idx_words:end]
+        _check(end <= tf.cast(total, tf.int64), name, "is truncated", rank)]
+    with tf.control_dependencies(checks):       # from here on every size is in range
+        start, vstart, end, c, t = (tf.cast(x, tf.int32) for x in (start, vstart, end, c, t))
+        iw = gathered[start:start + tf.where(int32_idx, c, (t + 1) // 2)]
+        vw = gathered[vstart:vstart + tf.where(fp32, c, (c + 1) // 2)]
 
     def delta16():
         toks = tf.cast(tf.reshape(tf.bitcast(iw, tf.uint16), [-1])[:t], tf.int64)
 
         def escaped():
             is_entry = toks != 0
-            return tf.boolean_mask(tf.cumsum(tf.where(is_entry, toks, _ESCAPE)) - 1, is_entry)
+            return tf.boolean_mask(tf.cumsum(tf.where(is_entry, toks, wire.ESCAPE)) - 1,
+                                   is_entry)
 
         # no escape token (the common case): the positions are the gaps' running sum
         plain = tf.logical_and(tf.equal(t, c), tf.reduce_all(toks > 0))
@@ -413,9 +360,8 @@ def _bucket_word(gathered, total, pos, j, members, bucket, rank):
 @_plain
 def global_clip_factor(grads, clip_norm, world_size, average):
     """:meth:`DGCCore.clip_scale` as graph ops (float32, as the eager TensorFlow path hands it
-    to the core): min(1, T / (‖G‖ + 1e-6)) with ‖G‖ the float64 sum of the finite tensors'
-    squared float32 norms, in order (inf when a finite tensor's norm overflows), T = C·√N
-    (Average) or C/√N (Sum)."""
+    to the core): ‖G‖ the float64 sum of the finite tensors' squared float32 norms, in order
+    (inf when a finite tensor's norm overflows), then :func:`clip_factor`."""
     total = tf.constant(0.0, tf.float64)
     overflow = tf.constant(False)
     for g in grads:
@@ -425,22 +371,24 @@ def global_clip_factor(grads, clip_norm, world_size, average):
         overflow = tf.logical_or(overflow, tf.logical_and(
             tf.math.is_inf(n), tf.reduce_all(tf.math.is_finite(g))))
     norm = tf.where(overflow, tf.constant(float("inf"), tf.float64), tf.sqrt(total))
-    return tf.cast(tf.minimum(tf.constant(1.0, tf.float64), _threshold(clip_norm, world_size, average) / (norm + 1e-6)),
-                   tf.float32)
+    return clip_factor(norm, clip_norm, world_size, average)
 
 
-def _threshold(clip_norm, world_size, average):
-    """:func:`~dgc_horovod.core.accumulate.clip_threshold` for an int32 world-size tensor."""
-    root = tf.sqrt(tf.cast(world_size, tf.float64))
-    return clip_norm * root if average else clip_norm * (1.0 / root)
+def clip_factor(norm, clip_norm, world_size, average):
+    """:func:`~dgc_horovod.core.accumulate.clip_factor` of the float64 ``norm`` with the
+    threshold of :func:`~dgc_horovod.core.accumulate.clip_threshold` (C·√N under Average, C/√N
+    under Sum) for an int32 world-size tensor, both on graph ops, as float32."""
+    threshold = core_accumulate.clip_threshold(clip_norm, tf.cast(world_size, tf.float64),
+                                               average, tf.sqrt)
+    minimum = (lambda one, x: tf.minimum(tf.constant(one, tf.float64), x))
+    return tf.cast(core_accumulate.clip_factor(norm, threshold, minimum), tf.float32)
 
 
 # --------------------------------------------------------------------------- the core
 class _Step:
     """The ops of one traced reduction that every tensor's compression reads (step_ops)."""
 
-    __slots__ = ("grads", "graph", "active", "step", "density", "world", "clip", "draws",
-                 "buckets")
+    __slots__ = ("grads", "graph", "active", "step", "at", "world", "clip", "buckets")
 
 
 class GraphCore(DGCCore):
@@ -458,16 +406,25 @@ class GraphCore(DGCCore):
 
     def __init__(self, config, backend):
         super().__init__(config, backend)
-        self.use_kernels = False
         c = config
         with tf.init_scope():
             self._step_var = variable(0, tf.int64)
             self._epoch_density = variable(self.density, tf.float64)
             # 1 once set_epoch() was called or the graph has said that it never was
             self._epoch_called = variable(0, tf.int64)
-        w = c.warmup_steps if c.warmup_epochs is None else 0
-        self._densities = [density_at_step(i, c.compress_ratio, w, c.warmup_initial_density,
-                                           c.warmup_per_step) for i in range(w + 1)]
+        # the step-counted warm-up: its distinct densities, and which one each step has (None:
+        # warmup_epochs)
+        self._densities = self._level = None
+        if c.warmup_epochs is None:
+            steps = [density_at_step(i, c.compress_ratio, c.warmup_steps,
+                                     c.warmup_initial_density, c.warmup_per_step)
+                     for i in range(max(c.warmup_steps, 0) + 1)]
+            levels = {d: None for d in steps}
+            self._densities = list(levels)
+            levels = {d: i for i, d in enumerate(self._densities)}
+            self._level = [levels[d] for d in steps]
+        self._seed = sparsify.seed_key(c.seed)
+        self._plans = {}        # warmup_epochs: name -> its plan_row variable (set_epoch sets)
         self._traced = {}       # name -> TensorState whose variables the graphs hold
         self._rows = {}         # name -> (row, acc): int64 variables of its statistics
         self._synced = 0        # the step counter when the statistics were last read
@@ -494,7 +451,9 @@ class GraphCore(DGCCore):
             if step is not None and last[-1] == steps:
                 for f, value in zip(FIELDS, last[:-1]):
                     setattr(step, f, getattr(step, f) + int(value))
-            self._warn_fp16(name, added)
+            for key, message in precision.warning(name, *(int(added[FIELDS.index(f)]) for f in (
+                    "overflowed_entries", "flushed_entries"))):
+                self._warn_once(key, message)
         if step is not None:
             step.steps = 1
             step.density = rec.total.density = self.density
@@ -503,31 +462,12 @@ class GraphCore(DGCCore):
             rec.restart()
         self._synced = steps
 
-    def _warn_fp16(self, name, added):
-        over, flushed = (int(added[FIELDS.index(f)]) for f in ("overflowed_entries",
-                                                               "flushed_entries"))
-        if flushed:
-            self._warn_once("fp16_flush", (
-                f"DGC: wire_values='float16': {flushed} selected non-zero value(s) of {name!r} "
-                "were below float16's range (|v| <= 2**-25) and were sent as 0 (they stay in "
-                "the residual). Further ones are counted in stats.flushed_entries. A larger "
-                "loss scale, or wire_values='float32', sends them"))
-        if over:
-            self._warn_once("fp16_overflow", (
-                f"DGC: wire_values='float16': {over} selected value(s) of {name!r} exceeded "
-                "float16's range (|v| >= 65520; its largest value is 65504) and were sent as "
-                "±inf, as a float16 cast does: every rank got a non-finite update for that "
-                "step, which a loss scaler skips (then backing off its scale), and this rank "
-                "dropped the tensor's DGC state (u and v restarted at zero). Further overflows "
-                "are counted in stats.overflowed_entries. Use a smaller loss scale, or "
-                "wire_values='float32'"))
-
     def _push_position(self):
         """The core's warm-up position into the variables the graphs read (after a load or
         set_step); the statistics rows restart (counted ones were read or replaced)."""
         self._step_var.assign(self._steps)
         self._synced = self._steps
-        self._epoch_density.assign(DGCCore.density.fget(self))
+        self._push_density()
         for row, acc in self._rows.values():
             row.assign(tf.fill(row.shape, tf.constant(-1, tf.int64)))
             acc.assign(tf.zeros_like(acc))
@@ -609,8 +549,16 @@ class GraphCore(DGCCore):
 
     def set_epoch(self, epoch):
         super().set_epoch(epoch)
-        self._epoch_density.assign(DGCCore.density.fget(self))
+        self._push_density()
         self._epoch_called.assign(1)
+
+    def _push_density(self):
+        """The density in force into the variables the graphs read with ``warmup_epochs``: each
+        traced tensor's plan (:func:`plan_row`), and the density the warning names."""
+        density = DGCCore.density.fget(self)
+        self._epoch_density.assign(density)
+        for name, var in self._plans.items():
+            var.assign(plan_row(self._traced[name].numel, density, self.config))
 
     state_dict.__doc__ = DGCCore.state_dict.__doc__
     load_state_dict.__doc__ = DGCCore.load_state_dict.__doc__
@@ -632,36 +580,22 @@ class GraphCore(DGCCore):
         with graph.as_default(), tf.name_scope("DGC_step"):
             # Horovod reduces only where its condition holds (_allreduce_cond: this rank in
             # the process set, more than one rank); where not, compress never runs and, as
-            # in the eager core, the step does not count and no threshold is drawn
+            # in the eager core, the step does not count
             s.active = active_op(process_set)
             s.step = tf.cond(s.active,
                              lambda: self._step_var.assign_add(1, read_value=True),
                              self._step_var.read_value)
-            if c.warmup_epochs is None:
-                at = tf.clip_by_value(s.step - 1, 0, len(self._densities) - 1)
-                s.density = tf.gather(tf.constant(self._densities, tf.float64), at)
-            else:
-                s.density = self._epoch_density.read_value()
-                if self._epoch_call_checked():
-                    self._epoch_call_check(s)
+            s.at = None         # warmup_epochs: the plans are variables (set_epoch)
+            if self._level is not None:     # the step's density in the warm-up's table
+                s.at = tf.gather(tf.constant(self._level, tf.int64),
+                                 tf.clip_by_value(s.step - 1, 0, len(self._level) - 1))
+            elif self._epoch_call_checked():
+                self._epoch_call_check(s)
             s.world = tf.cast(world_size_op(process_set), tf.int32)
             dense = [g.values if isinstance(g, tf.IndexedSlices) else g
                      for g in grads if g is not None]
             s.clip = (global_clip_factor(dense, c.clip_norm, s.world, average)
                       if self.needs_clip_scale else None)
-            # the threshold samples of every sparsified tensor, in Horovod's order (the eager
-            # core's draw order: one generator call per tensor that samples this step)
-            s.draws = {}
-            for g in grads:
-                if g is None or isinstance(g, tf.IndexedSlices):
-                    continue
-                n = g.shape.num_elements()
-                ns = sample_count(n, c)
-                if ns and is_sparse(n, len(g.shape), c):
-                    s.draws[id(g)] = tf.cond(
-                        tf.logical_and(s.active, 2 * k_for(n, s.density) < n),
-                        lambda ns=ns: self._generator.uniform([ns], dtype=tf.float64),
-                        lambda ns=ns: tf.zeros([ns], tf.float64))
         self._last = s
         return s
 
@@ -670,7 +604,8 @@ class GraphCore(DGCCore):
         ops: printed to stderr once, at the first step beyond EPOCH_CALL_CHECK_STEPS without a
         set_epoch() call."""
         def say():
-            tf.print(tf.strings.format(self._epoch_call_missing("{}"), [s.density]),
+            tf.print(tf.strings.format(self._epoch_call_missing("{}"),
+                                       [self._epoch_density.read_value()]),
                      output_stream=sys.stderr)
             return self._epoch_called.assign(1, read_value=True)
 
@@ -696,6 +631,9 @@ class GraphCore(DGCCore):
                 self._rows[name] = (
                     variable(tf.zeros([len(FIELDS) + 1], tf.int64)),
                     variable(tf.zeros([len(FIELDS)], tf.int64)))
+                if st.sparse and self._densities is None:
+                    self._plans[name] = variable(plan_row(st.numel, self.density, self.config),
+                                                 tf.int64)
             self._traced[name] = st
             self.states[name] = st
         return st
@@ -725,39 +663,42 @@ class GraphCore(DGCCore):
         op=Average (else Sum); ``param``: the variable (accumulated weight decay). The ops are
         those of a ``tf.function`` kept per tensor (:meth:`_function`)."""
         st = self._traced_state(name, grad)
-        draws = step.draws.get(id(grad)) if not self.config.exact_topk else None
 
-        def body(grad, density, clip, world, draws, param):
-            return self._compress(st, average, grad, density, clip, world, draws, param)
+        def body(grad, step_count, at, clip, world, param):
+            return self._compress(st, average, grad, step_count, at, clip, world, param)
 
         fn = self._function("compress", name, average, body)
-        out, stats, sent = fn(grad, step.density, step.clip, step.world, draws, param)
+        out, stats, sent = fn(grad, step.step, step.at, step.clip, step.world, param)
         return ("sparse" if st.sparse else "dense"), out, (st, stats, sent)
 
-    def _prepare(self, st, average, grad, clip, world, param):
-        """The eager core's _accumulated: (the gradient as a flat float32, what momentum
-        correction adds: s·g, + λ·w with ``weight_decay_mode="accumulated"``, whether the
-        gradient is finite); ``clip``, ``world``: :meth:`step_ops`'s."""
-        c = self.config
+    def _plan(self, st, at):
+        """The int64 [k, s, ks1, ks2, cap] of ``st`` at this step (:func:`plan_row`): the row
+        ``at`` of its table over the warm-up's densities, evaluated now (one row where they
+        all give the same plan), or with ``warmup_epochs`` its variable."""
+        if at is None:
+            return tf.convert_to_tensor(self._plans[st.name])
+        table = [plan_row(st.numel, d, self.config) for d in self._densities]
+        if all(row == table[0] for row in table):
+            return tf.constant(table[0], tf.int64)
+        return tf.gather(tf.constant(table, tf.int64), at)
+
+    def _compress(self, st, average, grad, step_count, at, clip, world, param):
+        """:meth:`compress_ops`'s ops: (out, the statistics row, the sent entries or None);
+        ``step_count``, ``at``, ``clip``, ``world``: :meth:`step_ops`'s. Steps 2-5 of the
+        engine contract, and their arithmetic as the eager core's (:meth:`DGCCore._accumulated`,
+        :func:`~dgc_horovod.core.accumulate.momentum_correction`)."""
+        c, B = self.config, self.B
+        n = st.numel
         g = tf.reshape(tf.cast(grad, tf.float32), [-1])
         scale = clip
         if c.clip_norm is not None and c.clip_scope == "tensor":
-            norm = tf.cast(tf.norm(g), tf.float64)
-            scale = tf.cast(tf.minimum(tf.constant(1.0, tf.float64), _threshold(c.clip_norm, world, average)
-                                       / (norm + 1e-6)), tf.float32)
+            scale = clip_factor(tf.cast(tf.norm(g), tf.float64), c.clip_norm, world, average)
         if self.needs_param:
             w = tf.reshape(tf.cast(param, tf.float32), [-1])
             g = (g if scale is None else g * scale) + c.weight_decay * w
             scale = None
         acc = g if scale is None else g * scale     # momentum correction's s·g
-        return g, acc, tf.reduce_all(tf.math.is_finite(g))
-
-    def _compress(self, st, average, grad, density, clip, world, draws, param):
-        """:meth:`compress_ops`'s ops: (out, the statistics row, the sent entries or None);
-        ``density``, ``clip``, ``world``: :meth:`step_ops`'s."""
-        c = self.config
-        n = st.numel
-        g, acc, finite = self._prepare(st, average, grad, clip, world, param)
+        finite = tf.reduce_all(tf.math.is_finite(g))
         if not st.sparse:
             out = tf.cond(finite, lambda: self._velocity(st, acc), lambda: g)
             stats = tf.stack([tf.constant(v, tf.int64)
@@ -765,25 +706,14 @@ class GraphCore(DGCCore):
                              + [tf.cast(tf.logical_not(finite), tf.int64)]
                              + [tf.constant(0, tf.int64)] * 2)
             return out, stats, None
-        k = k_for(n, density)
+        plan = self._plan(st, at)
 
         def chosen():
-            accumulate(self.B, st, acc, c)
-            # delta16 needs the positions ascending: select gives them so; int32 sends them
-            # in top_k's order, as the eager core does
-            return select(tf.abs(st.v), k, draws, ascending=c.wire_index == "delta16")
+            accumulate(B, st, acc, c)
+            return select(st.v, n, plan, sparsify.sample_base(self._seed, st.key, step_count))
 
         # non-finite: nothing sent, the state untouched
-        return self._emit(st, tf.cond(finite, chosen, lambda: tf.zeros([0], tf.int64)), finite)
-
-    def _emit(self, st, idx, finite):
-        """Steps 4-5 of a sparsified tensor whose positions ``idx`` were selected (none where the
-        gradient is not ``finite``): their values, momentum factor masking (§3.2,
-        :func:`~dgc_horovod.core.accumulate.clear_sent`), float16 rounding, the payload (flagged
-        non-finite where it is not). Returns (payload, the statistics row, the sent entries:
-        (idx, values, u at idx, whether to put them back after a bad step))."""
-        c, B = self.config, self.B
-        n = st.numel
+        idx = tf.cond(finite, chosen, lambda: tf.zeros([0], tf.int64))
         vals = tf.gather(st.v, idx)
         masked = c.momentum_masking and st.u is not None
         u_sent = tf.gather(st.u, idx) if masked else tf.zeros([0], tf.float32)
@@ -794,12 +724,11 @@ class GraphCore(DGCCore):
             sent, keep, counts = self._round_to_fp16(st, idx, vals)
             keep = tf.logical_and(keep, finite)
         flags = tf.where(finite, 0, wire.FLAG_NONFINITE)
-        payload = encode(n, idx, sent, flags, c.wire_index, c.wire_values)
-        words = tf.size(payload, out_type=tf.int64)
+        payload = encode(n, idx, sent, plan[0], flags, c.wire_index, c.wire_values)
         stats = tf.concat([tf.constant([1, 1, n], tf.int64),
-                           tf.stack([tf.size(idx, out_type=tf.int64), 4 * words,
-                                     tf.constant(0, tf.int64),
-                                     tf.constant(4 * n, tf.int64),
+                           tf.stack([tf.size(idx, out_type=tf.int64),
+                                     4 * tf.size(payload, out_type=tf.int64),
+                                     tf.constant(0, tf.int64), tf.constant(4 * n, tf.int64),
                                      tf.cast(tf.logical_not(finite), tf.int64)]), counts], 0)
         return payload, stats, (idx, vals, u_sent, keep)
 
@@ -839,13 +768,11 @@ class GraphCore(DGCCore):
         bucket (:meth:`_function`)."""
         names = [name for name, _, _ in entries]
         sts = [self._traced_state(name, g) for name, g, _ in entries]
-        draws = [None if self.config.exact_topk else step.draws.get(id(g))
-                 for _, g, _ in entries]
         label = "bucket." + names[0]
 
-        def body(grads, density, clip, world, draws, params):
-            outs = [self._compress(st, average, g, density, clip, world, d, p)
-                    for st, g, d, p in zip(sts, grads, draws, params)]
+        def body(grads, step_count, at, clip, world, params):
+            outs = [self._compress(st, average, g, step_count, at, clip, world, p)
+                    for st, g, p in zip(sts, grads, params)]
             gathered = hvd.allgather(frame_bucket([o[0] for o in outs]),
                                      name=collective_name(label), process_set=process_set)
             decoded = decode_bucket(gathered, [st.numel for st in sts], names, world, label)
@@ -859,7 +786,7 @@ class GraphCore(DGCCore):
             return result
 
         fn = self._function("bucket", tuple(names), (average, process_set.process_set_id), body)
-        args = ([g for _, g, _ in entries], step.density, step.clip, step.world, draws,
+        args = ([g for _, g, _ in entries], step.step, step.at, step.clip, step.world,
                 [p for _, _, p in entries])
         with step.graph.as_default(), tf.name_scope("DGC_bucket"):
             if tf.get_static_value(step.active):       # (numpy's True)
@@ -887,7 +814,7 @@ class GraphCore(DGCCore):
         def drop():                 # this rank overflowed: its u and v restart at zero
             for t in (st.u, st.v):
                 if t is not None:
-                    self.B.mul_(t, 0.0)
+                    self.B.zero_(t)
             return tf.constant(False)
 
         def residual():             # the rounding error stays in the residual
@@ -942,9 +869,8 @@ class GraphCore(DGCCore):
 
             def bad():
                 def put_back():
-                    self.B.scatter_(st.v, idx, vals)
-                    if st.u is not None and c.momentum_masking:
-                        self.B.scatter_(st.u, idx, u_sent)
+                    restore_sent(self.B, st.u, st.v, idx, vals,
+                                 u_sent if c.momentum_masking else None)
                     return tf.constant(0)
                 tf.cond(keep, put_back, lambda: tf.constant(0))
                 return dense * float("nan")
@@ -981,13 +907,18 @@ class GraphCore(DGCCore):
         return update + b
 
 
+def fused_momentum():
+    """Whether classic momentum correction runs as ``ResourceApplyMomentum`` (learning rate -1:
+    u ← u·m + g; v ← v - (-1)·u), one kernel, without momentum_correction's two reads of u:
+    where TensorFlow sees no GPU, as its CPU kernel rounds u·m and the sum each on its own (the
+    rule; tests/test_tf_graph.py checks the bits); a GPU kernel may fuse them."""
+    return not tf.config.list_logical_devices("GPU")
+
+
 def accumulate(B, st, g, config):
-    """Momentum correction (§3.1, eq. 5-6) on the tensor's variables, g already scaled by the
-    clipping factor: :func:`~dgc_horovod.core.accumulate.momentum_correction`; classic momentum as
-    one fused kernel, ``ResourceApplyMomentum`` with learning rate -1 (u ← u·m + g; v ← v + u:
-    on a CPU the same roundings as the two ops, checked bit for bit by tests/test_tf_graph.py;
-    on a GPU the kernel may fuse u·m + g into one rounding)."""
-    if config.momentum == 0.0 or config.nesterov:
+    """:func:`~dgc_horovod.core.accumulate.momentum_correction` (§3.1, eq. 5-6) on the tensor's
+    variables, g already scaled by the clipping factor (:func:`fused_momentum`)."""
+    if config.momentum == 0.0 or config.nesterov or not fused_momentum():
         momentum_correction(B, st.u, st.v, g, config.momentum, config.nesterov)
         return
     tf.raw_ops.ResourceApplyMomentum(var=st.v.handle, accum=st.u.handle,

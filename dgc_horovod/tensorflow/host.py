@@ -3,7 +3,7 @@
 DGC's per-step work runs eagerly inside the ``tf.py_function`` ops that
 :class:`dgc_horovod.tensorflow.DGC` places in the traced step. Where TensorFlow sees no GPU, the
 gradients given to those ops are host tensors, so the core runs on the NumPy backend and so on the
-fused C kernels (:mod:`dgc_horovod.core.kernels`): one call per tensor for accumulate → select →
+C engine (:mod:`dgc_horovod.core.c_engine`): one call per tensor for accumulate → select →
 encode, one for decode → sum → average, as PyTorch on a CPU does. Eager TensorFlow ops (the
 tensor-op path, :class:`~dgc_horovod.backends.tf_backend.TFBackend`) cost dozens of op dispatches
 per tensor per step: ``examples/tensorflow2_mnist.py`` ran 4.9× the wall time of dense training
@@ -13,8 +13,6 @@ gradients are not copied to the host.
 On the NumPy backend the state (u, v, the weight-decay momentum) is held in NumPy arrays, and
 :meth:`DGC.state_dict` returns NumPy arrays (picklable as they are).
 """
-import warnings
-
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
@@ -79,13 +77,9 @@ class Host:
         returns to ``tf.py_function`` is copied by TensorFlow into a new tensor."""
         return np.asarray(t) if self.numpy else t
 
-    def portable(self, state_dict, current):
-        """``state_dict`` as this backend loads it: tensors as NumPy arrays on the NumPy backend;
-        a generator state this backend can restore: a state saved on the
-        other TensorFlow backend (NumPy vs TensorFlow generator) is replaced by ``current`` (this
-        DGC's generator state), with a warning. The generator only draws the samples of the
-        threshold estimate (§5), so residuals and momentum load exactly; the resumed run is not
-        bit-identical to an uninterrupted one."""
+    def portable(self, state_dict):
+        """``state_dict`` as this backend loads it: tensors as NumPy arrays on the NumPy
+        backend."""
         if not isinstance(state_dict, dict):
             return state_dict
         tensors = state_dict.get("tensors")
@@ -94,17 +88,7 @@ class Host:
                 name: {k: (np.asarray(t) if k in ("u", "v", "wd") and t is not None else t)
                        for k, t in entry.items()} if isinstance(entry, dict) else entry
                 for name, entry in tensors.items()})
-        if "generator" not in state_dict:
-            return state_dict
-        saved_numpy = isinstance(state_dict["generator"], dict)
-        if saved_numpy == self.numpy:
-            return state_dict
-        warnings.warn("DGC: this state_dict's threshold-sampling generator was saved on the "
-                      f"{'NumPy' if saved_numpy else 'TensorFlow'} backend and cannot be restored "
-                      f"on the {self.B.name} backend (see dgc_horovod.tensorflow.host); the "
-                      "generator keeps its current state, the residuals load as saved",
-                      RuntimeWarning, stacklevel=3)
-        return dict(state_dict, generator=current)
+        return state_dict
 
 
 class HostPath:

@@ -167,6 +167,8 @@ class DGC(DGCAdapter, Compressor):
         gathered, ranks, dropped = self._exchange.receive(ctx.handle, ctx.world_size)
         if ctx.dense:                         # gated: reduced by DGC's own allreduce
             dense = gathered.view(-1)
+        elif ranks is None:                   # a bucket's member: decoded with its bucket
+            dense = gathered
         else:
             dense = core.decompress(gathered, ctx.core_ctx, ctx.world_size, ctx.average, ranks,
                                     None if ctx.out is None else ctx.out.view(-1), dropped)

@@ -15,13 +15,13 @@ registry (``horovod.torch.elastic.state.set_handler_registry``, Horovod's extens
 state types), so ``TorchState`` treats a DGC keyword like a model or an optimizer:
 
 * ``commit()`` / ``save()``: a copy of this rank's DGC state (every tensor's velocity u and
-  residual v, warm-up epoch, sampling generator, statistics). Refused with a RuntimeError in the
+  residual v, warm-up epoch, statistics). Refused with a RuntimeError in the
   middle of a step (an exchange pending): commit between steps.
 * ``restore()`` (Horovod calls it after a HorovodInternalError): back to the committed state,
   bit for bit; pending exchanges are dropped.
 * ``sync()`` (collective, after a reset and at the start): the ranks compare their DGC configs
   (a ValueError on every rank, naming the settings, if they differ) and every rank takes rank
-  0's warm-up position (epoch, step count) and sampling generator.
+  0's warm-up position (epoch, step count).
 
 **The reset rule.** At every reset (``hvd.elastic.run`` re-initializes Horovod when a worker
 leaves or joins, or after a HorovodInternalError) every rank drops its velocities and residuals,

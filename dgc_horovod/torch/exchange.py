@@ -126,15 +126,18 @@ class _Launch:
     """One bucket's sparsified gradients of one step, and its allgather once started.
 
     ``entries`` maps a member index to (name, gradient, parameter, [pending ctxs]) until the
-    launch is compressed (the tensors are kept alive until then); ``handle`` is the allgather;
+    launch is compressed (the tensors are kept alive until then); ``contexts`` then maps it to
+    (the core's context, the gradient's storage for the result or None); ``handle`` is the
+    allgather; ``decoded`` {member: update} once received (``DGCCore.decompress_bucket``);
     ``error`` what compressing or starting it raised, if it failed.
     """
 
-    __slots__ = ("entries", "world_size", "average", "handle", "parts", "error", "words")
+    __slots__ = ("entries", "contexts", "world_size", "average", "handle", "decoded", "error",
+                 "words")
 
     def __init__(self):
         self.entries, self.world_size, self.average = {}, None, True
-        self.handle = self.parts = self.error = None
+        self.contexts = self.handle = self.decoded = self.error = None
         self.words = 0          # int32 words of this rank's segment (the allgather's input)
 
 
@@ -469,13 +472,16 @@ class Exchange:
         launch.entries = None                              # the gradients are not needed now
         results = self._core.compress_many([(n, g, p) for n, g, p, _ in entries],
                                            launch.world_size, launch.average, clip_scale)
-        payloads = []
-        for (kind, payload, core_ctx), (name, _, _, pendings) in zip(results, entries):
+        payloads, launch.contexts = [], {}
+        for m, (kind, payload, core_ctx), (name, _, _, pendings) in zip(members, results,
+                                                                        entries):
             if kind != "sparse":
                 raise RuntimeError(f"DGC: {name!r} was compressed as a dense tensor in bucket "
                                    f"{bucket.name!r}")
             for pending in pendings:
                 pending.core_ctx = core_ctx
+            out = pendings[-1].out
+            launch.contexts[m] = (core_ctx, None if out is None else out.view(-1))
             payloads.append(payload)
         if self.regions:
             launch.handle = self._scatter(_Regions(bucket.name, bucket.members, bucket.numels,
@@ -491,7 +497,9 @@ class Exchange:
 
     def receive(self, ticket, world_size):
         """(every rank's payloads for this tensor concatenated in rank order, how many, the
-        ``dropped`` argument of ``DGCCore.decompress``: None but with ``exchange="regions"``).
+        ``dropped`` argument of ``DGCCore.decompress``: None but with ``exchange="regions"``);
+        or, for a member of a bucket of the allgather exchange, (its update, None, None): the
+        first member received decodes the whole bucket (``DGCCore.decompress_bucket``).
 
         In bucketed mode, compresses and starts the tensor's bucket first if it is still
         incomplete (a member without a gradient this step, e.g. a sparse-gradient embedding).
@@ -526,10 +534,11 @@ class Exchange:
                 self._start(bucket, process_set)
             if self.regions:
                 return self._regions_result(launch.handle, member)
-            if launch.parts is None:
+            if launch.decoded is None:
                 gathered = _wait(launch.handle)
                 self._core.count_allgather(gathered.numel(), launch.words)
-                launch.parts = self._core.split_bucket(gathered, world_size,
-                                                       len(bucket.members), bucket.name)
-        parts = launch.parts[member]
-        return (self._core.B.cat(parts) if parts else parts), len(parts), None
+                launch.decoded = self._core.decompress_bucket(
+                    gathered, world_size, len(bucket.members), bucket.name, launch.contexts,
+                    launch.average)
+                launch.contexts = None
+        return launch.decoded[member], None, None

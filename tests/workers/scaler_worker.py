@@ -106,7 +106,10 @@ def scenario_equal(results, prefix):
     plain = None
     for name, settings in EQUAL_SETTINGS.items():
         data = batches(EQUAL_STEPS, 700 + hvd.rank())
-        ref_model, ref_opt = make(f"{prefix}_{name}_ref", dgc(**settings))
+        # both runs name their parameters alike: the threshold's samples are a hash of the
+        # tensor's name (dgc_horovod/core/sparsify.py), and the rare step where fewer than k
+        # entries reach the sampled threshold sends what the samples found
+        ref_model, ref_opt = make(f"{prefix}_{name}", dgc(**settings))
         train_unscaled(ref_model, ref_opt, data)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
         d = dgc(loss_scaler=scaler, **settings)

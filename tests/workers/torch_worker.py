@@ -133,6 +133,24 @@ def scenario_identical(results, prefix_base):
     results["identical"] = out
 
 
+def scenario_engines(results, prefix_base, steps=6):
+    """The same training with each engine (DGC(engine=...): the C kernels, the Triton kernels
+    on these CPU tensors under Triton's interpreter, TRITON_INTERPRET=1 in the environment, and
+    tensor ops), in buckets, per tensor and in small buckets: the final parameters' bits."""
+    out = {}
+    for layout, bucket_numel in (("buckets", 2 ** 22), ("per_tensor", 0), ("small", 1500)):
+        for engine in ("c", "triton", "ops"):
+            dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_steps=3, engine=engine,
+                      min_sparse_numel=1, min_sparse_ndim=1, bucket_numel=bucket_numel)
+            model, opt = make(f"{prefix_base}.{layout}.{engine}", dgc)
+            train(model, opt, steps=steps)
+            out[f"{layout}.{engine}"] = {
+                "params": flat_params(model).view(torch.int32).tolist(),
+                "identical": identical_across_ranks(model),
+                "selected": dgc.total_stats.selected}
+    results["engines"] = out
+
+
 def _short(name):
     """'cm.default.fc1.weight' -> 'fc1.weight'."""
     return ".".join(name.split(".")[-2:])
@@ -549,7 +567,8 @@ def run_scenarios(scenarios):
 
 
 def main():
-    run_scenarios([(scenario_identical, "id"), (scenario_compress_many, "cm"),
+    run_scenarios([(scenario_identical, "id"), (scenario_engines, "en"),
+                   (scenario_compress_many, "cm"),
                    (scenario_equivalence, "eq"), (scenario_wire, "wire"),
                    (scenario_nonfinite, "nf"), (scenario_fp16_overflow, "fp16"),
                    (scenario_momentum_twice, "mt"), (scenario_adam_warning, "adam"),
