@@ -63,7 +63,8 @@ def test_compress_cost_times_another_checkout_in_the_same_rounds(capsys):
     step = compress_cost.Worker(ROOT, 0.01, 1, 1)
     try:
         assert step.where == os.path.join(ROOT, "dgc_horovod")
-        assert 0 < step() < 60
+        buckets, dense = step()                    # seconds of one step's two parts
+        assert 0 < buckets < 60 and 0 <= dense < 60
     finally:
         step.close()
 
@@ -164,6 +165,7 @@ def test_gpu_check_runs_at_tiny_sizes_on_cpu():
     against the NumPy reference, timing, launches and host reads, the simulated cluster) at
     small sizes under Triton's interpreter, as on a GPU machine; its exit status says whether
     every check held."""
+    pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--tiny"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, TRITON_INTERPRET="1"))

@@ -125,9 +125,10 @@ def test_large_segments_match_the_reference(kind, cfg):
     compare(numpy_c(3), DGCConfig(**cfg), LARGE, grads, density=0.004)
 
 
-def test_candidates_beyond_the_capacity_and_the_lower_level_in_a_large_segment():
-    """All magnitudes equal but a few: every entry reaches t1 (the first cap are kept, the top k
-    of them by position); then a v where fewer than k reach t1 (the lower level t2)."""
+def test_every_entry_a_candidate_and_the_lower_level_in_a_large_segment():
+    """All magnitudes equal but a few: every entry reaches t1 (all are candidates, the top k of
+    them by magnitude then position); then a v where fewer than k reach t1 (the lower level
+    t2)."""
     n = 2 ** 20
     g1 = np.full(n, 0.5, F32)
     g1[::4099] = 2.0

@@ -1,6 +1,6 @@
 """The one conformance suite of the engine contract (dgc_horovod/core/engine.py): every engine —
-the tensor ops on the NumPy and PyTorch backends, the C kernels on NumPy and PyTorch CPU
-tensors, the Triton kernels (on CPU tensors under ``TRITON_INTERPRET=1``) — against the NumPy
+the tensor ops on the NumPy, PyTorch and TensorFlow backends, the C kernels on NumPy and PyTorch
+CPU tensors, the Triton kernels (on CPU tensors under ``TRITON_INTERPRET=1``) — against the NumPy
 reference (``OpsEngine(NumpyBackend())``), bit for bit, step after step: payload words, counts,
 the finite flags, the entries sent (padding included), the float16 counts, and u and v after
 every step. The reference itself is held to a plain NumPy transcription of the selection rule

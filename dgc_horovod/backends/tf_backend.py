@@ -120,6 +120,4 @@ class TFBackend(Backend):
     # on a bucket's flat state (C, Triton) never run here
     def flat_views(self, flat, offsets, sizes): return None
 
-    def copy_(self, x, y): x.assign(tf.reshape(tf.convert_to_tensor(y), [-1]))
     def arange(self, n, like=None): return tf.range(n, dtype=tf.int64)
-    def to_int64(self, x): return tf.cast(x, tf.int64)

@@ -37,12 +37,13 @@ class TorchBackend(Backend):
     def is_floating(self, x): return isinstance(x, torch.Tensor) and x.is_floating_point()
 
     def all_finite(self, x):
-        # One read-only reduction (isfinite(x).all() costs ~100x more on CPU): NaN/Inf anywhere
-        # make the sum NaN/Inf. A float32 sum of finite values that overflows (|sum| > 3.4e38)
-        # also counts as non-finite, i.e. as an overflowed gradient.
+        # One read-only reduction first (isfinite(x).all() costs ~100x more on CPU): NaN/Inf
+        # anywhere make the sum NaN/Inf. Only a sum that is not finite is looked at element by
+        # element: a float32 sum of finite values can overflow (|sum| > 3.4e38), and the answer
+        # must be exact (every engine checks every element).
         # (math.isfinite of the sum's value: the same answer as torch.isfinite on the 0-d
         # sum, without a second tensor op, about 10 µs less per call on CPU)
-        return math.isfinite(x.sum().item())
+        return math.isfinite(x.sum().item()) or bool(torch.isfinite(x).all())
     def norm(self, x): return torch.linalg.vector_norm(x)
     def mul_(self, x, a): x.mul_(a)
     def add_(self, x, y, alpha=1.0): x.add_(y if alpha == 1.0 else y * alpha)  # (see scale_add_)
@@ -172,14 +173,12 @@ class TorchBackend(Backend):
 
     def empty(self, n, dtype, like): return torch.empty(n, dtype=self._DTYPES[dtype],
                                                         device=like.device)
-    def copy(self, x): return x.clone()
     def kernel_threads(self): return torch.get_num_threads()    # torch's intra-op threads
     def split(self, x, sizes): return torch.split(x, sizes)
 
     # --- a bucket's flat state (dgc_horovod.core.engine.FlatState)
-    def flat_cat(self, xs, block=1, reuse=False):
-        # reuse: into a scratch buffer reused by the next such call (see abs())
-        parts, zeros, n = [], None, 0
+    def flat_cat(self, xs, block=1):
+        parts, zeros = [], None
         for x in xs:
             parts.append(x.detach().reshape(-1))
             pad = -x.numel() % block
@@ -187,12 +186,7 @@ class TorchBackend(Backend):
                 if zeros is None:
                     zeros = torch.zeros(block - 1, dtype=x.dtype, device=x.device)
                 parts.append(zeros[:pad].to(x.dtype))
-            n += x.numel() + pad
-        if not reuse or any(p.dtype is not torch.float32 for p in parts):
-            return torch.cat(parts).to(torch.float32)
-        return torch.cat(parts, out=self._scratch(parts[0], torch.float32, 2, n))
+        return torch.cat(parts).to(torch.float32)
 
-    def copy_(self, x, y): x.copy_(y)
     def arange(self, n, like): return torch.arange(n, dtype=torch.int64, device=like.device)
-    def to_int64(self, x): return x.to(torch.int64)
 

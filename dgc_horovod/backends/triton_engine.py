@@ -23,7 +23,7 @@ passes only scalars. Its results are device tensors; nothing is read back.
 3. ``_k_compact``: per tile, the level (t1 when the segment's count >= t1 reaches k, else t2) and
    the tile's place among the segment's candidates (the sum of the chosen counts of the tiles
    before it: deterministic, no atomics), then the tile's candidates (in-tile prefix sum) into a
-   buffer of ``cap`` per segment, ascending; the ones at or beyond ``cap`` are dropped;
+   buffer of room ``cap`` (= n: none is dropped) per segment, ascending;
 4. ``_k_settle``: per segment, the k-th largest candidate magnitude (binary search over the
    bits), the k largest by (magnitude, lower position) in ascending order, the values and
    velocities sent, the mask (v and, with masking, u cleared), float16 rounding (the error stays

@@ -16,7 +16,7 @@ __all__ = ["Backend", "NumpyBackend"]
 class Backend:
     """Operations on flat tensors used by the DGC core. Every method must be implemented, except
     the engine hooks at the end (kernel_ptr, kernel_threads, kernel_grad_ptr, kernel_words_ptr,
-    empty, copy, device_engine): their defaults opt out of the C and Triton engines.
+    empty, device_engine): their defaults opt out of the C and Triton engines.
 
     Conventions: "float tensor" = float32, "index tensor" = int64 (positions in a flat tensor),
     "words" = int32. Scalars may be Python floats or 0-d tensors of the backend.
@@ -65,7 +65,7 @@ class Backend:
     def slice(self, x, a, b): raise NotImplementedError
     def to_list(self, x): raise NotImplementedError            # small tensor -> list of ints
     def min_max(self, x): raise NotImplementedError            # -> (int, int)
-    # --- wire v2 (index deltas, fp16); functional: they return new tensors
+    # --- the wire format (index deltas, fp16); functional: they return new tensors
     def sort(self, idx): raise NotImplementedError             # ascending
     def int64_tensor(self, values, like): raise NotImplementedError
     def int64_zeros(self, n, like): raise NotImplementedError
@@ -96,7 +96,6 @@ class Backend:
     def empty(self, n, dtype, like): raise NotImplementedError  # uninitialised (n,) tensor of
                                                          # dtype "float32", "float64", "int64" or
                                                          # "int32"
-    def copy(self, x): raise NotImplementedError         # a new tensor equal to x (same dtype)
     def kernel_threads(self): return 1                   # threads the kernels may use (as many
                                                          # as the framework's own CPU ops)
     def kernel_grad_ptr(self, x): return None            # address of x's data when x itself is
@@ -111,12 +110,11 @@ class Backend:
             a += n
         return out
     # --- a bucket's flat state (dgc_horovod.core.engine.FlatState)
-    def flat_cat(self, xs, block=1, reuse=False):        # float32 1-D concatenation of the
-        zeros = self.zeros(block - 1, like=xs[0]) if block > 1 else None  # tensors xs (any
+    def flat_cat(self, xs, block=1):                     # a new float32 1-D concatenation of
+        zeros = self.zeros(block - 1, like=xs[0]) if block > 1 else None  # the tensors xs (any
         parts = []                                       # shape, floating), each followed by
-        for x in xs:                                     # zeros up to a multiple of block;
-            parts.append(self.float32_view(x))           # reuse: may live in a buffer that
-                                                         # the next such call overwrites
+        for x in xs:                                     # zeros up to a multiple of block
+            parts.append(self.float32_view(x))
             if -self.numel(x) % block:
                 parts.append(self.slice(zeros, 0, -self.numel(x) % block))
         return self.cat(parts)
@@ -125,9 +123,7 @@ class Backend:
                 for a, n in zip(offsets, sizes)]         # it (in-place updates of one show in
                                                          # the other), or None when the backend
                                                          # has no such views
-    def copy_(self, x, y): raise NotImplementedError     # x[:] = y (same numel)
     def arange(self, n, like): raise NotImplementedError  # int64 0 .. n-1
-    def to_int64(self, x): raise NotImplementedError     # integer tensor -> int64
 
 
 class NumpyBackend(Backend):
@@ -256,13 +252,9 @@ class NumpyBackend(Backend):
 
 
     def empty(self, n, dtype, like=None): return np.empty(n, dtype=self._DTYPES[dtype])
-    def copy(self, x): return x.copy()
 
-    def copy_(self, x, y):
-        x[...] = y
 
 
     def arange(self, n, like=None): return np.arange(n, dtype=np.int64)
-    def to_int64(self, x): return x.astype(np.int64)
 
 

@@ -44,9 +44,7 @@ skips the whole step, the tensors whose update was finite too: with ``skip_nonfi
 (set by the torch adapter when it is given the scaler) a non-finite update, sparsified or dense,
 also puts back the entries every finite exchange of the step sent and the separate weight
 decay's buffers, whichever tensor's result comes first. A dense tensor's u ← m·u + g of that
-step stays (its result was sent as it was computed; the step's g stays in its momentum). (The
-tensor-op engine on the torch backend checks the float32 sum, so it also counts finite gradients
-whose sum overflows float32 as non-finite; the C and Triton engines check every element.) The
+step stays (its result was sent as it was computed; the step's g stays in its momentum). The
 threshold's samples depend only on (seed, tensor, step) (:mod:`~dgc_horovod.core.sparsify`), so a
 non-finite step changes no later draw.
 

@@ -65,9 +65,8 @@ class FlatState:
         self.names = tuple(st.name for st in sts)
         self.sizes = [st.numel for st in sts]
         self.offsets = flat_offsets(self.sizes)
-        self.u = None if sts[0].u is None else B.float32_flat(B.flat_cat([st.u for st in sts],
-                                                                          BLOCK))
-        self.v = B.float32_flat(B.flat_cat([st.v for st in sts], BLOCK))
+        self.u = None if sts[0].u is None else B.flat_cat([st.u for st in sts], BLOCK)
+        self.v = B.flat_cat([st.v for st in sts], BLOCK)
         vs = B.flat_views(self.v, self.offsets, self.sizes)
         if vs is None:
             raise TypeError(f"FlatState: the {B.name} backend has no views of flat buffers")

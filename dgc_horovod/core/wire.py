@@ -32,8 +32,6 @@ delta16 + fp16 ≈ 24 + 4k. Every payload describes its own encoding and capacit
 depends on the receiver's settings; a payload of another format version is rejected by its magic
 word. Padding words are zero, so equal selections give equal payloads on every engine.
 """
-from itertools import accumulate
-
 __all__ = ["MAGIC_V3", "BUCKET_MAGIC", "frame_bucket", "split_bucket", "BUCKET_HEADER_BYTES",
            "FLAG_NONFINITE", "HEADER_WORDS", "HEADER_BYTES", "MAX_NUMEL", "ESCAPE",
            "INDEX_ENCODINGS", "VALUE_DTYPES", "encode", "decode_sum", "read_payload",

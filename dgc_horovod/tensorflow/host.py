@@ -4,7 +4,7 @@ DGC's per-step work runs eagerly inside the ``tf.py_function`` ops that
 :class:`dgc_horovod.tensorflow.DGC` places in the traced step. Where TensorFlow sees no GPU, the
 gradients given to those ops are host tensors, so the core runs on the NumPy backend and so on the
 C engine (:mod:`dgc_horovod.core.c_engine`): one call per tensor for accumulate → select →
-encode, one for decode → sum → average, as PyTorch on a CPU does. Eager TensorFlow ops (the
+encode, one for decode → sum → average, as PyTorch on a CPU does with ``bucket_numel=0``. Eager TensorFlow ops (the
 tensor-op path, :class:`~dgc_horovod.backends.tf_backend.TFBackend`) cost dozens of op dispatches
 per tensor per step: ``examples/tensorflow2_mnist.py`` ran 4.9× the wall time of dense training
 on them (docs/performance.md). Where TensorFlow sees a GPU, the core stays on ``TFBackend``, so

@@ -137,9 +137,11 @@ def scenario_engines(results, prefix_base, steps=6):
     """The same training with each engine (DGC(engine=...): the C kernels, the Triton kernels
     on these CPU tensors under Triton's interpreter, TRITON_INTERPRET=1 in the environment, and
     tensor ops), in buckets, per tensor and in small buckets: the final parameters' bits."""
+    import importlib.util
     out = {}
+    engines = ("c", "triton", "ops") if importlib.util.find_spec("triton") else ("c", "ops")
     for layout, bucket_numel in (("buckets", 2 ** 22), ("per_tensor", 0), ("small", 1500)):
-        for engine in ("c", "triton", "ops"):
+        for engine in engines:
             dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_steps=3, engine=engine,
                       min_sparse_numel=1, min_sparse_ndim=1, bucket_numel=bucket_numel)
             model, opt = make(f"{prefix_base}.{layout}.{engine}", dgc)
