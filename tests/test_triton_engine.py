@@ -170,6 +170,40 @@ def test_a_bucket_step_needs_no_host_sync_and_at_most_12_launches():
         before = tables
 
 
+def test_the_core_around_the_engine_reads_nothing_back():
+    """What the PyTorch exchange runs per bucket and step (DGCCore.compress_many, the frame,
+    DGCCore.decompress_bucket) on two ranks with DGC(engine="triton"): after the first step
+    (whose decode is checked on the host), no host read on rank 0 whatever DGC does around the
+    engine; the statistics read the device's counts when they are read, and the results match
+    the C engine's, bit for bit."""
+    from dgc_horovod.core import DGCCore
+    names = [f"layer{j}.weight" for j in range(len(SIZES))]
+    runs = {}
+    for engine in ("triton", "c"):
+        B = TorchBackend()
+        cores = [DGCCore(DGCConfig(warmup_steps=0, engine=engine, environ={}), B)
+                 for _ in range(2)]
+        got = []
+        for t in range(1, 4):
+            grads = [[_t(g) for g in _grads(np.random.default_rng(10 * t + k), SIZES, "normal",
+                                            t, k)] for k in range(2)]
+            with DeviceCounter() as counter:
+                results = [core.compress_many([(n, g.view(1, -1), None)
+                                               for n, g in zip(names, gs)], 2)
+                           for core, gs in zip(cores, grads)]
+                frames = [wire.frame_bucket(B, [(m, r[1]) for m, r in enumerate(rs)],
+                                            like=rs[0][1]) for rs in results]
+                decoded = cores[0].decompress_bucket(
+                    torch.cat(frames), 2, len(names), "dgc.bucket.layer0.weight",
+                    {m: (r[2], None) for m, r in enumerate(results[0])})
+            if engine == "triton" and t > 1:
+                assert counter.syncs == [], counter.syncs
+            got.append([_bits(decoded[m]) for m in range(len(names))])
+        runs[engine] = (got, cores[0].total_stats.selected, _bits(cores[0].states[names[0]].v))
+    assert runs["triton"] == runs["c"]
+    assert runs["c"][1] > 0
+
+
 def test_a_bucket_of_one_needs_four_compress_launches():
     B = TorchBackend()
     eng = te.TritonEngine(B)
