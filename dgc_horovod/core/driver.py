@@ -150,17 +150,12 @@ class BucketDriver:
             fp16 = (list(zip(pairs[0::2], pairs[1::2])) if pairs is not None
                     else [(0, 0)] * len(sts))
         for j, (i, st) in enumerate(zip(sparse, sts)):
-            payload, nbytes, seconds = res.payloads[j], 4 * step.words[j], share * st.numel
-            if not lazy and not res.finite[j]:            # NaN/Inf: state untouched
-                results[i] = ("sparse", payload, SparseContext(st.name, st.numel, None, None,
-                                                               None))
-                rows[i] = (row(st, 0, nbytes, True, seconds, density),)
-                continue
             for key, message in precision.warning(st.name, *fp16[j]):
                 core._warn_once(key, message)
-            results[i] = ("sparse", payload, EntryContext(st.name, st.numel, B, res, step, j))
-            rows[i] = (row(st, 0 if lazy else res.counts[j], nbytes, False, seconds, density,
-                           fp16[j]),)
+            results[i] = ("sparse", res.payloads[j],
+                          EntryContext(st.name, st.numel, B, res, step, j))
+            rows[i] = (row(st, 0 if lazy else res.counts[j], 4 * step.words[j],
+                           not lazy and not res.finite[j], share * st.numel, density, fp16[j]),)
         if not lazy:
             return None
         return B, res.counts, res.finite, None if step.values == "float16" else res.fp16
