@@ -99,6 +99,27 @@ def test_host_view_is_read_only_and_results_are_copied():
 def test_jit_compile_is_refused_with_the_fix():
     """XLA cannot compile Horovod's allgather nor the selection's data-dependent shapes (nor,
     with in_graph=False, tf.py_function): DGC says so at trace time, naming jit_compile."""
-    fn = tf.function(lambda: DGC().compress(tf.zeros([3])), jit_compile=True)
+    dgc = DGC()
+    fn = tf.function(lambda: dgc.compress(tf.zeros([3])), jit_compile=True)
     with pytest.raises(RuntimeError, match=r"jit_compile=True.*Drop jit_compile"):
         fn()
+
+
+@pytest.mark.parametrize("make", ["class", "factory"])
+def test_made_inside_a_traced_step_is_refused_with_the_pattern(make):
+    """Horovod's GradientTape examples pick their (stateless) compressor inside the step; a DGC
+    made there would start from nothing at every trace: refused at once, with the fix."""
+    from dgc_horovod.tensorflow import Compression
+    new = DGC if make == "class" else Compression.dgc
+
+    @tf.function
+    def step():
+        new(compress_ratio=0.01)
+        return tf.constant(0.0)
+
+    with pytest.raises(RuntimeError, match="inside a tf.function") as err:
+        step()
+    msg = str(err.value)
+    assert "dgc = DGC(compress_ratio=0.004)" in msg and "compression=dgc" in msg
+    assert "once, outside the step" in msg
+    DGC(compress_ratio=0.01)          # eagerly, outside any trace: fine

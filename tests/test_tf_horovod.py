@@ -169,3 +169,15 @@ def test_wire_bytes_match_statistics(tmp_path, scenario):
         a, b = w["per_rank"][me], w["per_rank"][other]
         assert a["received_bytes"] == b["wire_bytes"] > 0
         assert a["last_step"][1] == b["last_step"][0]
+
+
+def test_dgc_made_inside_the_traced_step_is_refused_and_the_pattern_trains(run):
+    """Horovod's GradientTape example with its compressor chosen inside the tf.function: a clear
+    error at the first step on every rank (not TensorFlow's words, not one DGC per trace);
+    made once outside, the same step, traced twice, trains one DGC with identical replicas."""
+    inside, outside = run["made_in_trace"]["inside"], run["made_in_trace"]["outside"]
+    assert inside["done"] == 0 and "inside a tf.function" in inside["error"], inside
+    assert "compression=dgc" in inside["error"] and not inside["changed"]
+    assert outside["error"] is None and outside["done"] == 6 and outside["traces"] >= 2
+    assert outside["steps"] == 6 and outside["identical"] and outside["changed"]
+    assert outside["states"] == ["fc1/bias:0", "fc1/kernel:0", "fc2/bias:0", "fc2/kernel:0"]

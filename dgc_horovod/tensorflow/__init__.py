@@ -61,6 +61,22 @@ from dgc_horovod.tensorflow.variables import ComparedModels, StateNames, find_va
 __all__ = ["DGC", "DGCWarmupCallback"]
 
 
+_MADE_IN_TRACE = """DGC(...) was called inside a tf.function while TensorFlow traced it. Unlike
+Horovod's stateless compressors, DGC keeps state from step to step (each variable's velocity and
+residual, the warm-up position, the statistics): one made in the step would start from nothing at
+every trace (TensorFlow traces a step more than once) and stay out of reach of set_epoch, dgc.stats
+and checkpoints. Create it once, outside the step, and pass it in:
+
+    dgc = DGC(compress_ratio=0.004)             # once, before the training loop
+
+    @tf.function
+    def training_step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        tape = hvd.DistributedGradientTape(tape, compression=dgc)
+        ..."""
+
+
 class DGC(DGCAdapter, Compressor):
     """Deep Gradient Compression as a Horovod TensorFlow compressor (Lin et al., ICLR 2018).
 
@@ -79,17 +95,20 @@ class DGC(DGCAdapter, Compressor):
     Horovod Elastic: ``dgc_horovod.tensorflow.elastic.TensorFlowKerasState(model, opt, dgc=dgc)``
     (or ``TensorFlowState``, ``KerasState``) carries it; it cannot be pickled or copied.
 
-    Raises (while Horovod traces its reduction): RuntimeError when used outside
-    DistributedGradientTape / DistributedOptimizer, with op=Adasum or under jit_compile=True;
-    TypeError for a non-floating gradient; ValueError when the ranks reduce different variables
-    (names, shapes, dtypes or order; checked once per variable list, the message names the first
-    difference).
+    Raises: RuntimeError when created inside a ``tf.function`` (create it once, outside the
+    step: the message shows how). While Horovod traces its reduction: RuntimeError when used
+    outside DistributedGradientTape / DistributedOptimizer, with op=Adasum or under
+    jit_compile=True; TypeError for a non-floating gradient; ValueError when the ranks reduce
+    different variables (names, shapes, dtypes or order; checked once per variable list, the
+    message names the first difference).
     """
 
     _hvd = hvd
     _own_kwargs = ("device", "in_graph")
 
     def __init__(self, config=None, *, device=None, in_graph=True, **kwargs):
+        if tf.inside_function():
+            raise RuntimeError(_MADE_IN_TRACE)
         refuse_loss_scaler(kwargs)
         if in_graph not in (True, False):
             raise TypeError(f"DGC: in_graph must be True or False, got {in_graph!r}")

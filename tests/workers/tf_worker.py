@@ -379,13 +379,53 @@ def scenario_keras_weight_decay_twice(results):
         for momentum in (0.9, 0.0)}
 
 
+def scenario_made_in_trace(results, steps=6):
+    """Horovod's tensorflow2_mnist.py with one line changed: the compressor chosen inside the
+    traced step (refused at the first step, with the fix), and the fix: one DGC made outside
+    the step, which the example traces twice (its first_batch flag is a Python bool)."""
+    out = {}
+    for where in ("inside", "outside"):
+        model = make_model()
+        opt = tf.keras.optimizers.SGD(LR)
+        dgc = DGC(compress_ratio=0.01, min_sparse_numel=1024) if where == "outside" else None
+
+        @tf.function
+        def training_step(x, y, first_batch):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                    y, model(x, training=True), from_logits=True))
+            compression = dgc if dgc is not None else DGC(compress_ratio=0.01)
+            tape = hvd.DistributedGradientTape(tape, compression=compression)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            if first_batch:                   # as the example: after the first step
+                hvd.broadcast_variables(model.variables, root_rank=0)
+                hvd.broadcast_variables(opt.variables(), root_rank=0)
+            return loss
+
+        before = flat(model).numpy()
+        done, error = 0, None
+        try:
+            for i, (x, y) in enumerate(batches(steps, 300 + hvd.rank())):
+                training_step(tf.constant(x), tf.constant(y), i == 0)
+                done += 1
+        except RuntimeError as e:
+            error = str(e)
+        out[where] = dict(error=error, done=done, identical=identical(model),
+                          changed=bool((flat(model).numpy() != before).any()),
+                          traces=training_step.experimental_get_tracing_count())
+        if dgc is not None:
+            out[where].update(steps=dgc.total_stats.steps, **states_info(dgc))
+    results["made_in_trace"] = out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenarios", default="identical,equivalence,indexed_slices,nonfinite,"
                     "keras_fit,keras_momentum_twice,keras_weight_decay_twice,semantics,"
                     "fp16_overflow,checkpoint_misfit,"
-                    "buckets",
+                    "buckets,made_in_trace",
                     help="comma-separated scenario names")
     args = ap.parse_args()
     hvd.init()
