@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import operator
+import os
 import threading
 import warnings
 
@@ -18,6 +19,7 @@ from dgc_horovod.core import DGCConfig, DGCCore
 from dgc_horovod.core.config import config_diff
 
 __all__ = ["DGCAdapter", "DGCFactory", "ElasticHandler", "check_same_config", "check_same_model",
+           "under_elastic",
            "compression_namespace"]
 
 _log = logging.getLogger("dgc_horovod")
@@ -100,6 +102,12 @@ def compression_namespace(hvd, dgc_class, usage, user):
 
 
 _MODELS_DIFFER = "DGC: the ranks' models differ: "
+
+
+def under_elastic():
+    """Whether Horovod Elastic runs this process (``HOROVOD_ELASTIC=1``, as Horovod itself
+    tells: ``horovodrun`` sets it for the workers of an elastic job)."""
+    return bool(int(os.environ.get("HOROVOD_ELASTIC", 0) or 0))
 
 
 def check_same_config(mine, theirs, rank):
@@ -215,6 +223,8 @@ class DGCAdapter:
         self._warned_single = False
         self._warned_decay = False
         self._warned_moments = False
+        self._carried = False           # an elastic state's handler holds it (ElasticHandler)
+        self._elastic_checked = False
         self.resets = 0
 
     @classmethod
@@ -270,6 +280,29 @@ class DGCAdapter:
             warnings.warn("one Horovod process: Horovod skips the gradient reduction, and so DGC "
                           "and its momentum correction; launch 2+ processes, or train with the "
                           "optimizer's own momentum on one")
+
+    #: the adapter's elastic state that carries a DGC, as the warning of
+    #: :meth:`_warn_if_not_carried` names it
+    _elastic_state = "an elastic state of dgc_horovod"
+
+    def _warn_if_not_carried(self):
+        """Warn (once, at the first step) when Horovod Elastic runs the job
+        (``HOROVOD_ELASTIC=1``, set by ``horovodrun`` for elastic jobs) and no elastic state
+        carries this DGC: its velocities and residuals are then neither committed nor restored,
+        a joining worker does not take the others' warm-up position, and where DGC's Python
+        does not run at each step (TensorFlow's graph) the reset rule never runs."""
+        self._elastic_checked = True
+        if self._carried or not under_elastic():
+            return
+        warnings.warn(
+            "Horovod Elastic runs this job, but no elastic state carries this DGC: its "
+            "velocities and residuals are not committed or restored with the model, a worker "
+            "that joins does not take the others' warm-up position, and the reset rule runs "
+            "only where DGC sees Horovod re-initialized (never in TensorFlow's graph, where "
+            "residuals of the old world would carry into the new one). Pass it to "
+            f"{self._elastic_state}. A custom State that already calls dgc.on_reset() at its "
+            "reset can keep it with dgc_horovod.adapter.ElasticHandler(dgc) "
+            "(save / restore / sync).")
 
     # warm-up and statistics ------------------------------------------------------------
     def set_epoch(self, epoch):
@@ -392,7 +425,9 @@ class DGCAdapter:
         in the graph, TensorFlow's default, DGC's Python runs only while the step is traced, so
         there the reset comes from the elastic state or this call). Calling it is only needed
         with a custom elastic State; it can be registered with ``state.register_reset_callbacks([dgc.on_reset])``
-        (it then runs once per reset, not twice). Residuals are per rank and not broadcast: after
+        (it then runs once per reset, not twice), and such a State keeps the DGC's commit,
+        restore and sync with :class:`ElasticHandler` (``ElasticHandler(dgc)``; without one, DGC
+        warns at its first step under Horovod Elastic). Residuals are per rank and not broadcast: after
         a reset every rank, old or new, starts from the same zero state. The dropped residual is
         gradient that is never applied, a one-off perturbation of the size of a few steps'
         unsent gradient (see README, Reliability).
@@ -412,7 +447,10 @@ class DGCAdapter:
                   self.resets, hvd.size() if hvd.is_initialized() else "?")
 
     def _follow_horovod(self):
-        """Apply :meth:`on_reset` once if Horovod was re-initialized since DGC last ran."""
+        """Apply :meth:`on_reset` once if Horovod was re-initialized since DGC last ran (the
+        first time, also :meth:`_warn_if_not_carried`)."""
+        if not self._elastic_checked:
+            self._warn_if_not_carried()
         now = self._horovod_session()
         if now is None or self._same_session(now, self._session):
             return
@@ -476,6 +514,7 @@ class ElasticHandler:
     def __init__(self, dgc):
         self.value = dgc
         self._saved = dgc._elastic_snapshot()
+        dgc._carried = True
 
     def save(self):
         """Commit: keep a copy of the DGC's state (refused in the middle of a step)."""

@@ -37,24 +37,36 @@ WORKERS = {"torch": "tests/workers/elastic_worker.py", "tf": "tests/workers/tf_e
                 ids=lambda p: "-".join(p))
 def job(request, tmp_path_factory):
     framework, mode = request.param
-    tmp = tmp_path_factory.mktemp(f"elastic_{framework}_{mode}")
+    log, results = elastic_job(tmp_path_factory.mktemp(f"elastic_{framework}_{mode}"),
+                               [WORKERS[framework], "--mode", mode], timeout=400)
+    return framework, mode, log, results
+
+
+def elastic_job(tmp, worker_args, timeout):
+    """Run ``horovodrun -np 3 --min-np 2 --max-np 3 --gloo`` with a discovery script that prints
+    tmp/hosts (``localhost:2``, ``127.0.0.1:1`` at the start; the worker passed ``--hosts-file``
+    rewrites it) and the worker (``--out`` tmp/out); (log, every process's JSON record)."""
     hosts, discover, out = tmp / "hosts", tmp / "discover.sh", tmp / "out"
     hosts.write_text("localhost:2\n127.0.0.1:1\n")
     discover.write_text(f"#!/bin/sh\ncat '{hosts}'\n")
     discover.chmod(0o755)
     out.mkdir()
     cmd = [os.path.join(BIN, "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", str(discover), "--gloo",
-           sys.executable, WORKERS[framework], "--out", str(out),
-           "--mode", mode, "--hosts-file", str(hosts)]
+           "--host-discovery-script", str(discover), "--gloo", sys.executable, *worker_args,
+           "--out", str(out), "--hosts-file", str(hosts)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1", PYTHONPATH=ROOT,
                PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"") + (e.stderr or b"")
+        text = text.decode(errors="replace") if isinstance(text, bytes) else text
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s (a hang):\n{text[-6000:]}")
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{log[-6000:]}")
-    results = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    return framework, mode, log, results
+    return log, [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
 
 
 def test_job_finishes_on_the_survivors_after_a_reset(job):
@@ -120,3 +132,73 @@ def test_parameters_finite_and_identical_on_the_remaining_ranks(job):
     for f in finals:
         assert f["size"] == 2 and f["finite"] and f["identical"]
     assert finals[0]["params"] == finals[1]["params"]
+
+
+def test_carried_dgc_gives_no_elastic_state_warning(job):
+    _, _, log, _ = job
+    assert "no elastic state carries this DGC" not in log
+
+
+
+REJOIN = {"torch-dgc": ("torch", "dgc"), "torch-dense": ("torch", "none"),
+          "torch-dgc-horovod-state": ("torch", "dgc-horovod-state"),
+          "tf-dgc": ("tf", "dgc"), "tf-dense": ("tf", "none"),
+          "tf-dgc-horovod-state": ("tf", "dgc-horovod-state")}
+
+
+@pytest.fixture(scope="module", params=list(REJOIN))
+def rejoin_job(request, tmp_path_factory):
+    """tests/workers/elastic_rejoin_worker.py: 3 workers; at step 3 rank 0 removes 127.0.0.1 from
+    the discovery output, at step 6 lists it again, and Horovod starts a new worker there that
+    joins the two others until step 10 (`dgc-horovod-state`: DGC left out of the elastic state,
+    Horovod's own class, as Horovod's examples write it)."""
+    framework, compression = REJOIN[request.param]
+    log, records = elastic_job(
+        tmp_path_factory.mktemp(f"elastic_rejoin_{request.param}"),
+        ["tests/workers/elastic_rejoin_worker.py", "--framework", framework,
+         "--compression", compression], timeout=240)
+    return framework, compression, log, records
+
+
+def test_a_worker_that_comes_back_joins_and_the_job_finishes(rejoin_job):
+    """Every world of the job (3, 2, 3 workers) trains; the new worker on 127.0.0.1 enters at
+    step 6 and every rank of the last world ends with the same finite parameters. TensorFlow
+    with DGC left out of Horovod's own state hung here (the new worker traced the step and
+    started DGC's model comparison alone)."""
+    _, _, log, records = rejoin_job
+    assert "host 127.0.0.1 listed again at step 6" in log
+    survivors = [r for r in records if r["host"] == "localhost"]
+    joiner = [r for r in records if r["host"] == "127.0.0.1"]
+    assert len(survivors) == 2 and len(joiner) == 1       # the removed worker wrote nothing
+    for r in survivors:
+        assert [(e["size"], e["step"]) for e in r["entries"]] == [(3, 0), (2, 3), (3, 6)]
+    assert [(e["size"], e["step"]) for e in joiner[0]["entries"]] == [(3, 6)]
+    finals = [r["final"] for r in records]
+    assert all(f["size"] == 3 and f["finite"] and f["identical"] for f in finals)
+    assert len({f["norm"] for f in finals}) == 1
+
+
+def test_the_joining_worker_takes_dgcs_warm_up_position_and_the_reset_rule(rejoin_job):
+    """Carried by its elastic state, DGC gives the new worker rank 0's warm-up position and
+    applies the reset rule at both resets, and says nothing; left out of it, every process warns
+    once at its first step, naming the state class to use, and the new worker's warm-up starts
+    again (what the warning says)."""
+    framework, compression, log, records = rejoin_job
+    if compression == "none":
+        pytest.skip("dense: no DGC")
+    survivors = [r for r in records if r["host"] == "localhost"]
+    joiner = [r for r in records if r["host"] == "127.0.0.1"][0]
+    at_join = {r["entries"][-1]["density"] for r in survivors}
+    assert len(at_join) == 1 and at_join != {0.25}        # the warm-up had moved on
+    warning = "no elastic state carries this DGC"
+    if compression == "dgc":
+        assert joiner["entries"][0]["density"] in at_join  # synchronised by the state
+        assert {r["final"]["density"] for r in records} == {survivors[0]["final"]["density"]}
+        assert [r["final"]["resets"] for r in survivors] == [2, 2]
+        assert warning not in log
+    else:
+        cls = {"torch": "hvd.elastic.TorchState(model=model, optimizer=optimizer, dgc=dgc",
+               "tf": "dgc_horovod.tensorflow.elastic.TensorFlowKerasState(model, optimizer, "
+                     "dgc=dgc"}[framework]
+        assert log.count(warning) == 4 and cls in log     # 3 first workers and the new one
+        assert joiner["entries"][0]["density"] == 0.25

@@ -48,7 +48,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from dgc_horovod.adapter import DGCAdapter, compression_namespace
+from dgc_horovod.adapter import DGCAdapter, compression_namespace, under_elastic
 from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.core import DGCCore
 from dgc_horovod.tensorflow.graph import GraphCore, GraphPath
@@ -105,6 +105,11 @@ class DGC(DGCAdapter, Compressor):
 
     _hvd = hvd
     _own_kwargs = ("device", "in_graph")
+    _elastic_state = ("dgc_horovod.tensorflow.elastic.TensorFlowKerasState(model, optimizer, "
+                      "dgc=dgc, ...) (or its TensorFlowState / KerasState) in place of "
+                      "Horovod's class. Until then DGC does not compare the ranks' models "
+                      "either: a worker that joins would trace the step and start that "
+                      "comparison alone, and wait")
 
     def __init__(self, config=None, *, device=None, in_graph=True, **kwargs):
         if tf.inside_function():
@@ -134,10 +139,10 @@ class DGC(DGCAdapter, Compressor):
         if op is not None and op not in (hvd.Average, hvd.Sum):
             raise RuntimeError("DGC supports op=hvd.Average and op=hvd.Sum, not Adasum")
         process_set = hvd.global_process_set if process_set is None else process_set
-        if process_set.size() > 1:
-            self._models.check(*reduced, process_set, self.config)
-        else:
+        if process_set.size() <= 1:
             self._warn_single_process()
+        elif self._carried or not under_elastic():
+            self._models.check(*reduced, process_set, self.config)
         self._follow_horovod()
         name = self._names.of(var)
         if tensor.shape.num_elements() is None:

@@ -46,12 +46,12 @@ is; float16 overflow / flush warnings are given when the statistics (or a checkp
 the warning that an epoch-driven warm-up never got ``set_epoch()`` is printed to stderr by the
 step.
 """
-import os
 import sys
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from dgc_horovod.adapter import under_elastic
 from dgc_horovod.backends.tf_backend import TFBackend, variable
 from dgc_horovod.core import DGCCore, checkpoint, compressor, precision, sparsify, wire
 from dgc_horovod.core import accumulate as core_accumulate
@@ -930,7 +930,7 @@ def accumulate(B, st, g, config):
 def active_op(process_set):
     """Whether Horovod reduces in this step: its ``_allreduce_cond``'s condition (this rank in
     the process set and more than one rank), as ops under ``HOROVOD_ELASTIC=1``."""
-    if int(os.environ.get("HOROVOD_ELASTIC", 0)):
+    if under_elastic():
         ps = process_set.process_set_id
         return tf.logical_and(tf.equal(hvd.process_set_included_op(ps), 1),
                               tf.greater(hvd.size_op(ps), 1))
@@ -940,7 +940,7 @@ def active_op(process_set):
 def world_size_op(process_set):
     """N for the graph: Horovod's size op under ``HOROVOD_ELASTIC=1`` (a reset changes it without
     a retrace, as Horovod's own reduction reads it), else the process set's size now."""
-    if int(os.environ.get("HOROVOD_ELASTIC", 0)):
+    if under_elastic():
         return hvd.size_op(process_set.process_set_id)
     return process_set.size()
 

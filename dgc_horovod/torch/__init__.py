@@ -89,6 +89,8 @@ class DGC(DGCAdapter, Compressor):
     _copy_hint = ("For Horovod Elastic, pass it to hvd.elastic.TorchState(..., dgc=dgc), whose "
                   "commit, restore and sync carry it; to checkpoint, save dgc.state_dict()")
 
+    _elastic_state = "hvd.elastic.TorchState(model=model, optimizer=optimizer, dgc=dgc, ...)"
+
     def __init__(self, config=None, loss_scaler=None, **kwargs):
         loss_scale.check_loss_scaler(loss_scaler)
         super().__init__(config, TorchBackend(), **kwargs)

@@ -53,12 +53,18 @@ def check_fresh(arrays, local, world, previous_world):
 
 
 def remove_host(hvd, state, hosts_file):
-    """Rank 0 drops 127.0.0.1 from the discovery output and waits for the driver's notice; the
-    commit then raises HostsUpdatedInterrupt on every rank alike (it broadcasts rank 0's view)."""
+    """Rank 0 drops 127.0.0.1 from the discovery output (see :func:`update_hosts`)."""
+    update_hosts(hvd, state, hosts_file, ["localhost:2"], "host 127.0.0.1 removed from discovery")
+
+
+def update_hosts(hvd, state, hosts_file, lines, what):
+    """Rank 0 writes ``lines`` as the discovery output, prints ``what`` and the step, and waits
+    for the driver's notice; the commit then raises HostsUpdatedInterrupt on every rank alike (it
+    broadcasts rank 0's view)."""
     if hvd.rank() == 0:
         with open(hosts_file, "w") as f:
-            f.write("localhost:2\n")
-        print(f"host 127.0.0.1 removed from discovery at step {state.step}", flush=True)
+            f.write("".join(line + "\n" for line in lines))
+        print(f"{what} at step {state.step}", flush=True)
         deadline = time.time() + 60
         while state._host_messages.empty():
             if time.time() > deadline:
