@@ -42,13 +42,13 @@ from tf_model import make_model  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- main
-def make_train_step(model, opt, compression):
+def make_train_step(model, opt, compression, shape=(28, 28, 1)):
     """The traced training step: the loss, Horovod's tape with ``compression`` (DGC or one of
     Horovod's), the optimizer's update; returns the loss (``benchmarks/tf_step_phases.py``
-    times this step)."""
+    times this step; ``shape``: one input's)."""
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    @tf.function(input_signature=[tf.TensorSpec([None, 28, 28, 1], tf.float32),
+    @tf.function(input_signature=[tf.TensorSpec([None, *shape], tf.float32),
                                   tf.TensorSpec([None], tf.int64)])
     def train_step(x, y):
         with tf.GradientTape() as tape:

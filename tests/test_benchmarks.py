@@ -147,12 +147,17 @@ def test_tf_step_phases_reports_both_variants():
     import subprocess
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "benchmarks/tf_step_phases.py", "--steps", "12",
-                           "--warmup-steps", "4"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+                           "--warmup-steps", "4", "--breakdown"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for variant in ("none", "dgc"):
         assert re.search(rf"{variant}: trace +[\d.]+ s \| first run +[\d.]+ s \| warm-up +[\d.]+ s "
-                         rf"\( *[\d.]+ ms/step\) \| after +[\d.]+ s", proc.stdout), proc.stdout
+                         rf"\( *[\d.]+ ms/step\) \| after +[\d.]+ s .*\| ops \d+", proc.stdout), \
+            proc.stdout
+    for label in ("DGC.compress", "ComparedModels.check", "GraphCore.compress_ops",
+                  "GraphCore.decompress_ops"):        # the example's model: 4 tensors, 2 traces
+        assert re.search(rf"trace breakdown: {label} +[\d.]+ s in [1-9]\d* calls",
+                         proc.stdout), proc.stdout
     bad = subprocess.run([sys.executable, "benchmarks/tf_step_phases.py", "--steps", "4",
                           "--warmup-steps", "4"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
