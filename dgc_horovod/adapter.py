@@ -295,14 +295,13 @@ class DGCAdapter:
         if self._carried or not under_elastic():
             return
         warnings.warn(
-            "Horovod Elastic runs this job, but no elastic state carries this DGC: its "
-            "velocities and residuals are not committed or restored with the model, a worker "
-            "that joins does not take the others' warm-up position, and the reset rule runs "
-            "only where DGC sees Horovod re-initialized (never in TensorFlow's graph, where "
-            "residuals of the old world would carry into the new one). Pass it to "
-            f"{self._elastic_state}. A custom State that already calls dgc.on_reset() at its "
-            "reset can keep it with dgc_horovod.adapter.ElasticHandler(dgc) "
-            "(save / restore / sync).")
+            "Horovod Elastic runs this job, but no elastic state carries this DGC object. "
+            "Then its velocities and residuals are not committed or restored with the model, "
+            "a worker that joins does not get the others' warm-up position, and in "
+            "TensorFlow's traced step DGC cannot drop its residuals when workers leave or "
+            f"join. Pass it to {self._elastic_state}. (A custom State that calls "
+            "dgc.on_reset() at its reset can carry it with "
+            "dgc_horovod.adapter.ElasticHandler(dgc): save / restore / sync.)")
 
     # warm-up and statistics ------------------------------------------------------------
     def set_epoch(self, epoch):

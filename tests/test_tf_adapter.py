@@ -120,6 +120,19 @@ def test_made_inside_a_traced_step_is_refused_with_the_pattern(make):
     with pytest.raises(RuntimeError, match="inside a tf.function") as err:
         step()
     msg = str(err.value)
-    assert "dgc = DGC(compress_ratio=0.004)" in msg and "compression=dgc" in msg
+    assert "dgc = DGC(compress_ratio=0.004, momentum=0.9)" in msg and "compression=dgc" in msg
     assert "once, outside the step" in msg
     DGC(compress_ratio=0.01)          # eagerly, outside any trace: fine
+
+
+def test_run_functions_eagerly_is_refused_with_the_way_to_debug():
+    """tf.config.run_functions_eagerly(True) runs Horovod's reduction eagerly, where the
+    in-graph path cannot place its ops: a RuntimeError naming the switch and in_graph=False,
+    instead of TensorFlow's 'Tensor.graph is undefined'."""
+    dgc = DGC()
+    tf.config.run_functions_eagerly(True)
+    try:
+        with pytest.raises(RuntimeError, match=r"run_functions_eagerly\(True\).*in_graph=False"):
+            dgc.compress(tf.zeros([3]))
+    finally:
+        tf.config.run_functions_eagerly(False)

@@ -181,3 +181,11 @@ def test_dgc_made_inside_the_traced_step_is_refused_and_the_pattern_trains(run):
     assert outside["error"] is None and outside["done"] == 6 and outside["traces"] >= 2
     assert outside["steps"] == 6 and outside["identical"] and outside["changed"]
     assert outside["states"] == ["fc1/bias:0", "fc1/kernel:0", "fc2/bias:0", "fc2/kernel:0"]
+    # tf.config.run_functions_eagerly(True), a debugging switch: the in-graph path says what to
+    # do at the first step (it failed with TensorFlow's 'Tensor.graph is undefined'), and
+    # in_graph=False, which that message names, trains
+    eagerly, host = run["made_in_trace"]["eagerly"], run["made_in_trace"]["eagerly_host"]
+    assert eagerly["done"] == 0 and "run_functions_eagerly(True)" in eagerly["error"], eagerly
+    assert "in_graph=False" in eagerly["error"] and not eagerly["changed"]
+    assert host["error"] is None and host["done"] == 6 and host["steps"] == 6
+    assert host["identical"] and host["changed"]

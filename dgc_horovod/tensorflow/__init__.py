@@ -61,13 +61,13 @@ from dgc_horovod.tensorflow.variables import ComparedModels, StateNames, find_va
 __all__ = ["DGC", "DGCWarmupCallback"]
 
 
-_MADE_IN_TRACE = """DGC(...) was called inside a tf.function while TensorFlow traced it. Unlike
-Horovod's stateless compressors, DGC keeps state from step to step (each variable's velocity and
-residual, the warm-up position, the statistics): one made in the step would start from nothing at
-every trace (TensorFlow traces a step more than once) and stay out of reach of set_epoch, dgc.stats
-and checkpoints. Create it once, outside the step, and pass it in:
+_MADE_IN_TRACE = """a DGC (DGC(...) or Compression.dgc(...)) was made inside a tf.function while
+TensorFlow traced it. Unlike Horovod's stateless compressors, DGC keeps state from step to step
+(each variable's velocity and residual, the warm-up position, the statistics): one made in the
+step would start from nothing at every trace (TensorFlow traces a step more than once) and stay out
+of reach of set_epoch, dgc.stats and checkpoints. Create it once, outside the step, and pass it in:
 
-    dgc = DGC(compress_ratio=0.004)             # once, before the training loop
+    dgc = DGC(compress_ratio=0.004, momentum=0.9)   # once, before the training loop
 
     @tf.function
     def training_step(images, labels):
@@ -75,6 +75,13 @@ and checkpoints. Create it once, outside the step, and pass it in:
             loss = loss_fn(labels, model(images, training=True))
         tape = hvd.DistributedGradientTape(tape, compression=dgc)
         ..."""
+
+
+_RUN_EAGERLY = ("DGC (in_graph=True, the default) traces its ops into Horovod's reduction, and "
+                "tf.config.run_functions_eagerly(True) runs that reduction eagerly instead, as it "
+                "runs every tf.function. To debug eagerly, use DGC(..., in_graph=False), which "
+                "runs the same steps in eager code; or call tf.config.run_functions_eagerly("
+                "False) before training")
 
 
 class DGC(DGCAdapter, Compressor):
@@ -96,7 +103,9 @@ class DGC(DGCAdapter, Compressor):
     (or ``TensorFlowState``, ``KerasState``) carries it; it cannot be pickled or copied.
 
     Raises: RuntimeError when created inside a ``tf.function`` (create it once, outside the
-    step: the message shows how). While Horovod traces its reduction: RuntimeError when used
+    step: the message shows how), and at the first step under
+    ``tf.config.run_functions_eagerly(True)`` with ``in_graph=True`` (``in_graph=False`` runs
+    there). While Horovod traces its reduction: RuntimeError when used
     outside DistributedGradientTape / DistributedOptimizer, with op=Adasum or under
     jit_compile=True; TypeError for a non-floating gradient; ValueError when the ranks reduce
     different variables (names, shapes, dtypes or order; checked once per variable list, the
@@ -107,9 +116,9 @@ class DGC(DGCAdapter, Compressor):
     _own_kwargs = ("device", "in_graph")
     _elastic_state = ("dgc_horovod.tensorflow.elastic.TensorFlowKerasState(model, optimizer, "
                       "dgc=dgc, ...) (or its TensorFlowState / KerasState) in place of "
-                      "Horovod's class. Until then DGC does not compare the ranks' models "
-                      "either: a worker that joins would trace the step and start that "
-                      "comparison alone, and wait")
+                      "Horovod's class. Meanwhile DGC skips its check that every rank reduces "
+                      "the same model (a worker that joins later would run that check alone "
+                      "and wait forever)")
 
     def __init__(self, config=None, *, device=None, in_graph=True, **kwargs):
         if tf.inside_function():
@@ -132,6 +141,9 @@ class DGC(DGCAdapter, Compressor):
     @tf.autograph.experimental.do_not_convert
     def compress(self, tensor):
         """Trace-time: place DGC's ops for ``tensor`` in the graph; return (to allreduce, ctx)."""
+        if (isinstance(self._path, GraphPath) and tf.executing_eagerly()
+                and tf.config.functions_run_eagerly()):
+            raise RuntimeError(_RUN_EAGERLY)
         check_traced(tensor)
         var, op, process_set, owner, reduced = find_variable(tensor)
         self._check_optimizer(var.name, owner, momentum_of(owner), weight_decay_of(owner),

@@ -382,12 +382,16 @@ def scenario_keras_weight_decay_twice(results):
 def scenario_made_in_trace(results, steps=6):
     """Horovod's tensorflow2_mnist.py with one line changed: the compressor chosen inside the
     traced step (refused at the first step, with the fix), and the fix: one DGC made outside
-    the step, which the example traces twice (its first_batch flag is a Python bool)."""
+    the step, which the example traces twice (its first_batch flag is a Python bool); then the
+    same under tf.config.run_functions_eagerly(True) (refused with in_graph=True, trains with
+    in_graph=False)."""
     out = {}
-    for where in ("inside", "outside"):
+    for where in ("inside", "outside", "eagerly", "eagerly_host"):
         model = make_model()
         opt = tf.keras.optimizers.SGD(LR)
-        dgc = DGC(compress_ratio=0.01, min_sparse_numel=1024) if where == "outside" else None
+        dgc = None if where == "inside" else DGC(compress_ratio=0.01, min_sparse_numel=1024,
+                                                  in_graph=where != "eagerly_host")
+        tf.config.run_functions_eagerly(where.startswith("eagerly"))    # the debugging switch
 
         @tf.function
         def training_step(x, y, first_batch):
@@ -411,6 +415,7 @@ def scenario_made_in_trace(results, steps=6):
                 done += 1
         except RuntimeError as e:
             error = str(e)
+        tf.config.run_functions_eagerly(False)
         out[where] = dict(error=error, done=done, identical=identical(model),
                           changed=bool((flat(model).numpy() != before).any()),
                           traces=training_step.experimental_get_tracing_count())
