@@ -20,13 +20,16 @@ traces), within them the model comparison across ranks (``ComparedModels.check``
 allgather and decode), ``GraphCore.compress_ops`` (one tensor's compress function, bucket members
 included) and ``GraphCore.decompress_ops``; and how many calls.
 
+``--no-grappler`` (a diagnosis, not a setting to train with): TensorFlow's graph optimiser
+(Grappler) off in both variants, to split the first run into optimisation and the rest.
+
 ``--model`` MobileNetV2 / ResNet50 (any ``tf.keras.applications`` name) runs the same step on
 that Keras application instead (``weights=None``, 10 classes, random ``--image`` x ``--image``
 RGB images, ``--batch`` per rank), as Horovod's synthetic benchmark does.
 
     python benchmarks/tf_step_phases.py [--steps 630] [--warmup-steps 63]
     python benchmarks/tf_step_phases.py --model MobileNetV2 --steps 6 --warmup-steps 2 \
-        [--image 64] [--batch 4] [--breakdown]
+        [--image 64] [--batch 4] [--breakdown] [--no-grappler]
 """
 import argparse
 import os
@@ -61,7 +64,8 @@ def _timed(owner, name, totals):
     setattr(owner, name, wrapper)
 
 
-def _inner(variant, steps, warmup, app=None, image=64, batch=4, breakdown=False):
+def _inner(variant, steps, warmup, app=None, image=64, batch=4, breakdown=False,
+           grappler=True):
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -72,6 +76,8 @@ def _inner(variant, steps, warmup, app=None, image=64, batch=4, breakdown=False)
     from tensorflow2_mnist import make_train_step
     from tf_model import make_model
     hvd.init()
+    if not grappler:
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
     tf.keras.utils.set_random_seed(1)
@@ -132,16 +138,19 @@ def main():
     ap.add_argument("--batch", type=int, default=4, help="--model: images per rank and step")
     ap.add_argument("--breakdown", action="store_true",
                     help="DGC: seconds of the trace in DGC's trace-time calls (rank 0)")
+    ap.add_argument("--no-grappler", action="store_true",
+                    help="diagnosis: TensorFlow's graph optimiser off in both variants")
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps < 2 or not 0 <= args.warmup_steps < args.steps:
         ap.error("--steps must be >= 2 and --warmup-steps in [0, steps)")
     if args.inner:
         return _inner(args.inner, args.steps, args.warmup_steps, args.model, args.image,
-                      args.batch, args.breakdown)
+                      args.batch, args.breakdown, not args.no_grappler)
     model_args = ["--model", args.model, "--image", str(args.image), "--batch",
                   str(args.batch)] if args.model else []
     model_args += ["--breakdown"] if args.breakdown else []
+    model_args += ["--no-grappler"] if args.no_grappler else []
     bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3",
                PATH=bindir + os.pathsep + os.environ.get("PATH", ""),
@@ -149,7 +158,8 @@ def main():
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
           f"{os.getloadavg()[0]:.1f}, {args.steps} steps, warm-up {args.warmup_steps}, "
           f"2 ranks (Gloo), model {args.model or 'examples/tf_model.py'}"
-          + (f" {args.image}x{args.image}, batch {args.batch}" if args.model else ""))
+          + (f" {args.image}x{args.image}, batch {args.batch}" if args.model else "")
+          + (", Grappler off" if args.no_grappler else ""))
     for variant in ("none", "dgc"):
         proc = subprocess.run(
             [os.path.join(bindir, "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
