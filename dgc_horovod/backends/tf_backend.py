@@ -99,6 +99,8 @@ class TFBackend(Backend):
     def sort(self, idx): return tf.sort(idx)
     def int64_tensor(self, values, like=None): return tf.constant(values, tf.int64)
     def int64_zeros(self, n, like=None): return tf.zeros([n], tf.int64)
+    def empty(self, n, dtype, like=None):       # (writable, as zeros: TF has no uninitialised)
+        return variable(tf.zeros([n], getattr(tf, dtype)))
     def cumsum(self, x): return tf.cumsum(x)
     def put(self, x, pos, vals): return tf.tensor_scatter_nd_update(x, _col(pos), vals)
 

@@ -708,7 +708,9 @@ class DGCCore:
         ranks = world_size if ranks is None else ranks
         scale = average and world_size > 1
         regional = self.config.exchange == "regions"    # keep_unapplied needs the sum first
-        dense = B.zeros(ctx.numel, like=gathered) if out is None else out
+        # every engine's decode zeroes its output first: no zeros of our own when one runs
+        dense = out if out is not None else (B.empty(ctx.numel, "float32", like=gathered)
+                                             if ranks else B.zeros(ctx.numel, like=gathered))
         if out is not None and B.numel(out) != ctx.numel:
             raise ValueError(f"decompress: out has {B.numel(out)} elements, tensor "
                              f"{ctx.name!r} {ctx.numel}")
