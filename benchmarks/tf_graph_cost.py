@@ -132,9 +132,10 @@ def eager_step(core, names, grads):
             core.decompress(B.cat([sent, sent]), ctx, WORLD)
 
 
-def graph_ops(fn, grads):
-    """Ops of a traced function, the functions it calls (branches, loop bodies) included."""
-    gd = fn.get_concrete_function(grads).graph.as_graph_def()
+def graph_ops(concrete):
+    """Ops of a traced (concrete) function's graph, the functions it calls (branches, loop
+    bodies) included."""
+    gd = concrete.graph.as_graph_def()
     return len(gd.node) + sum(len(f.node_def) for f in gd.library.function)
 
 
@@ -229,10 +230,10 @@ def main():
         ratio = statistics.median(r[j] / r[0] for r in rounds)
         print(f"  {label:<36} {1e3 * t:8.1f} ms   {ratio:6.2f}x")
     for label, fn in (("buckets", buckets), ("per tensor", graph)):
-        total = graph_ops(fn, grads)
+        total = graph_ops(fn.get_concrete_function(grads))
         print(f"  the traced step, {label}: {total:,} ops ({total / len(shapes):.0f} per "
               f"tensor)")
-    print(f"  the memory pass: {graph_ops(memory_pass, grads):,} ops")
+    print(f"  the memory pass: {graph_ops(memory_pass.get_concrete_function(grads)):,} ops")
     if args.profile:
         got = {label: profile(fn, grads) for label, fn in (("buckets", buckets),
                                                             ("per tensor", graph))}

@@ -40,12 +40,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def graph_ops(concrete):
-    """Ops of a traced function's graph, the bodies of its library functions included."""
-    gdef = concrete.graph.as_graph_def()
-    return len(gdef.node) + sum(len(f.node_def) for f in gdef.library.function)
-
-
 def _timed(owner, name, totals):
     """Wrap ``owner.name`` to add its inclusive seconds and calls to ``totals[label]``."""
     import functools
@@ -75,6 +69,7 @@ def _inner(variant, steps, warmup, app=None, image=64, batch=4, breakdown=False,
     from dgc_horovod.tensorflow import DGC
     from tensorflow2_mnist import make_train_step
     from tf_model import make_model
+    from tf_graph_cost import graph_ops     # benchmarks/, this script's folder
     hvd.init()
     if not grappler:
         tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})

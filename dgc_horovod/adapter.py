@@ -285,6 +285,10 @@ class DGCAdapter:
     #: :meth:`_warn_if_not_carried` names it
     _elastic_state = "an elastic state of dgc_horovod"
 
+    def _uncarried_elastic(self):
+        """Whether Horovod Elastic runs the job and no elastic state carries this DGC."""
+        return not self._carried and under_elastic()
+
     def _warn_if_not_carried(self):
         """Warn (once, at the first step) when Horovod Elastic runs the job
         (``HOROVOD_ELASTIC=1``, set by ``horovodrun`` for elastic jobs) and no elastic state
@@ -292,7 +296,7 @@ class DGCAdapter:
         a joining worker does not take the others' warm-up position, and where DGC's Python
         does not run at each step (TensorFlow's graph) the reset rule never runs."""
         self._elastic_checked = True
-        if self._carried or not under_elastic():
+        if not self._uncarried_elastic():
             return
         warnings.warn(
             "Horovod Elastic runs this job, but no elastic state carries this DGC object. "

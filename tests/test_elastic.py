@@ -157,7 +157,9 @@ def rejoin_job(request, tmp_path_factory):
         tmp_path_factory.mktemp(f"elastic_rejoin_{request.param}"),
         ["tests/workers/elastic_rejoin_worker.py", "--framework", framework,
          "--compression", compression], timeout=240)
-    return framework, compression, log, records
+    survivors = [r for r in records if r["host"] == "localhost"]
+    joiner = [r for r in records if r["host"] == "127.0.0.1"]
+    return framework, compression, log, records, survivors, joiner
 
 
 def test_a_worker_that_comes_back_joins_and_the_job_finishes(rejoin_job):
@@ -165,10 +167,8 @@ def test_a_worker_that_comes_back_joins_and_the_job_finishes(rejoin_job):
     step 6 and every rank of the last world ends with the same finite parameters. TensorFlow
     with DGC left out of Horovod's own state hung here (the new worker traced the step and
     started DGC's model comparison alone)."""
-    _, _, log, records = rejoin_job
+    _, _, log, records, survivors, joiner = rejoin_job
     assert "host 127.0.0.1 listed again at step 6" in log
-    survivors = [r for r in records if r["host"] == "localhost"]
-    joiner = [r for r in records if r["host"] == "127.0.0.1"]
     assert len(survivors) == 2 and len(joiner) == 1       # the removed worker wrote nothing
     for r in survivors:
         assert [(e["size"], e["step"]) for e in r["entries"]] == [(3, 0), (2, 3), (3, 6)]
@@ -183,11 +183,9 @@ def test_the_joining_worker_takes_dgcs_warm_up_position_and_the_reset_rule(rejoi
     applies the reset rule at both resets, and says nothing; left out of it, every process warns
     once at its first step, naming the state class to use, and the new worker's warm-up starts
     again (what the warning says)."""
-    framework, compression, log, records = rejoin_job
+    framework, compression, log, records, survivors, (joiner,) = rejoin_job
     if compression == "none":
         pytest.skip("dense: no DGC")
-    survivors = [r for r in records if r["host"] == "localhost"]
-    joiner = [r for r in records if r["host"] == "127.0.0.1"][0]
     at_join = {r["entries"][-1]["density"] for r in survivors}
     assert len(at_join) == 1 and at_join != {0.25}        # the warm-up had moved on
     warning = "no elastic state carries this DGC"

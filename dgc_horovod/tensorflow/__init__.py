@@ -48,7 +48,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
-from dgc_horovod.adapter import DGCAdapter, compression_namespace, under_elastic
+from dgc_horovod.adapter import DGCAdapter, compression_namespace
 from dgc_horovod.backends.tf_backend import TFBackend
 from dgc_horovod.core import DGCCore
 from dgc_horovod.tensorflow.graph import GraphCore, GraphPath
@@ -153,7 +153,7 @@ class DGC(DGCAdapter, Compressor):
         process_set = hvd.global_process_set if process_set is None else process_set
         if process_set.size() <= 1:
             self._warn_single_process()
-        elif self._carried or not under_elastic():
+        elif not self._uncarried_elastic():     # else a joining worker would compare alone
             self._models.check(*reduced, process_set, self.config)
         self._follow_horovod()
         name = self._names.of(var)

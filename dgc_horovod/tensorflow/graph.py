@@ -419,10 +419,9 @@ class GraphCore(DGCCore):
             steps = [density_at_step(i, c.compress_ratio, c.warmup_steps,
                                      c.warmup_initial_density, c.warmup_per_step)
                      for i in range(max(c.warmup_steps, 0) + 1)]
-            levels = {d: None for d in steps}
-            self._densities = list(levels)
-            levels = {d: i for i, d in enumerate(self._densities)}
-            self._level = [levels[d] for d in steps]
+            self._densities = list(dict.fromkeys(steps))         # distinct, in order
+            index = {d: i for i, d in enumerate(self._densities)}
+            self._level = [index[d] for d in steps]
         self._seed = sparsify.seed_key(c.seed)
         self._plans = {}        # warmup_epochs: name -> its plan_row variable (set_epoch sets)
         self._traced = {}       # name -> TensorState whose variables the graphs hold

@@ -22,7 +22,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import numpy as np  # noqa: E402
 
-from elastic_common import update_hosts  # noqa: E402
+from elastic_common import remove_host, update_hosts  # noqa: E402
 
 STEPS, LEAVE, BACK = 10, 3, 6
 # a warm-up that is still running when the worker joins: its density must follow rank 0's
@@ -129,8 +129,7 @@ def train(state):
     print(f"entry on {host}: world size {hvd.size()}, step {state.step}", flush=True)
     while state.step < STEPS:
         if state.step == LEAVE and hvd.size() == 3:
-            update_hosts(hvd, state, args.hosts_file, ["localhost:2"],
-                         "host 127.0.0.1 removed from discovery")
+            remove_host(hvd, state, args.hosts_file)
         if state.step == BACK and hvd.size() == 2:
             update_hosts(hvd, state, args.hosts_file, ["localhost:2", "127.0.0.1:1"],
                          "host 127.0.0.1 listed again")
