@@ -8,7 +8,6 @@ needs them), so any test module, and the child processes some tests start, can i
 import numpy as np
 
 
-
 def to_np(x):
     """A NumPy copy of a NumPy array, a torch tensor, or a TensorFlow tensor / variable (None
     stays None)."""

@@ -338,10 +338,23 @@ def test_one_engine_follows_the_sample_bases_of_any_bucket_of_a_layout():
         assert _bits(tri.v) == _bits(ref.v)
 
 
-def test_unmix32_inverts_mix32():
+def test_the_kernels_sample_bases_are_the_hosts():
+    """What the kernel computes from the layout's deltas and the launch's x0,
+    mix32(x0 + delta_j) mod 2**32, is every segment's sample_base, at any step and seed."""
+    from dgc_horovod.core.config import DGCConfig
+    from dgc_horovod.core.engine import make_step
     rng = np.random.default_rng(0)
-    for x in [0, 1, 0xFFFFFFFF] + rng.integers(0, 2 ** 32, 1000).tolist():
-        assert te._unmix32(sparsify.mix32(int(x))) == x
+    for seed in (0, 1, 2 ** 63 - 1):
+        cfg = DGCConfig(seed=seed)
+        base = make_step(cfg, ["a", "b.weight", "c"], [100, 200, 300], 0.01, 0)
+        counts = [0, 1, 2 ** 32 - 1, 2 ** 32, 2 ** 40 + 7] + rng.integers(0, 2 ** 62, 20).tolist()
+        for count in counts:
+            step = base.at(int(count))
+            deltas, x0 = te._seed_deltas(step)
+            assert [sparsify.mix32((x0 + d) & 0xFFFFFFFF) for d in deltas] == step.bases
+            assert step.bases == [sparsify.sample_base(sparsify.seed_key(seed),
+                                                       sparsify.tensor_key(n), int(count))
+                                  for n in ("a", "b.weight", "c")]
 
 
 # ----------------------------------------------------------------------------- the compiled path

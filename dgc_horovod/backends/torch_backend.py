@@ -54,7 +54,6 @@ class TorchBackend(Backend):
     def topk_indices(self, x, k): return torch.topk(x, k, sorted=False).indices
     def kth_largest(self, x, k): return torch.kthvalue(x, x.numel() - k + 1).values
 
-
     def indices_where_ge(self, x, t):
         if x.is_cpu and not x.requires_grad:
             # NumPy's comparison and flatnonzero: ~3x faster than torch.ge + torch.nonzero on
@@ -91,7 +90,6 @@ class TorchBackend(Backend):
     def min_max(self, x):
         lo, hi = torch.aminmax(x)
         return int(lo), int(hi)
-
 
     def sort(self, idx):
         if idx.is_cpu and not idx.requires_grad:  # NumPy's sort: ~30x faster than torch.sort on

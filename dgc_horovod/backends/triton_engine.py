@@ -40,6 +40,7 @@ Bit-identical to :class:`~dgc_horovod.core.engine.OpsEngine` on the NumPy backen
 (``tests/test_conformance.py``, ``tests/test_triton_engine.py``). Imports neither Horovod nor
 anything of dgc_horovod beyond ``core``.
 """
+import itertools
 import os
 
 import torch
@@ -47,6 +48,7 @@ import triton
 import triton.language as tl
 
 from dgc_horovod.core import engine as _engine, sparsify, wire
+from dgc_horovod.core.accumulate import restore_sent
 
 __all__ = ["TritonEngine", "check_usable", "interpreted"]
 
@@ -66,7 +68,7 @@ _NAN_BITS = tl.constexpr(0x7FC00000)
 # offset in the gathered gradients, k, s, ks1, ks2, cap, where the segment's samples and
 # candidates start in the scratch buffers, its tiles [TSTART, TEND), where its payload and
 # entries start, its index and value words, the entries pass B covers (max(k, 2·value words);
-# a decode table holds the payload words there), the sample base's delta (see _unmix32), and
+# a decode table holds the payload words there), the sample base's delta (see _seed_deltas), and
 # (decode) the payload's place in a rank's frame and the member index.
 _NCOLS = 20
 _NF = tl.constexpr(_NCOLS)
@@ -75,7 +77,6 @@ _C_SSTART, _C_CSTART, _C_TSTART, _C_TEND, _C_PSTART, _C_ESTART = (tl.constexpr(i
                                                                   for i in range(8, 14))
 _C_IW, _C_VW, _C_KE, _C_DELTA, _C_FPOS, _C_MEM = (tl.constexpr(i) for i in range(14, 20))
 _C_WORDS = _C_KE
-_DELTA_COLUMN = 17
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -554,27 +555,16 @@ def check_usable(like, required=False):
     return False
 
 
-def _inverse(c):
-    return pow(c, -1, 1 << 32)
-
-
-_INV_M1, _INV_M2 = _inverse(sparsify.MIX_M1), _inverse(sparsify.MIX_M2)
-
-
-def _unmix32(x):
-    """The inverse of :func:`~dgc_horovod.core.sparsify.mix32` (a bijection of [0, 2**32)).
-
-    How the sample bases reach the device without an upload per step: segment j's base is
-    mix32(A_j + step·GOLDEN) (:func:`~dgc_horovod.core.sparsify.sample_base`, A_j from the seed
-    and the tensor's key), so unmix32(base_j) − unmix32(base_0) = A_j − A_0 (mod 2**32) is the
-    same at every step. The layout's table holds these deltas (uploaded again only if a call's
-    bases give other ones: other names or seed), and each launch passes x0 = unmix32(base_0):
-    the kernel computes base_j = mix32(x0 + delta_j), exactly the host's value."""
-    x ^= x >> 16
-    x = (x * _INV_M2) & _M32
-    x ^= (x >> 15) ^ (x >> 30)
-    x = (x * _INV_M1) & _M32
-    return x ^ (x >> 16)
+def _seed_deltas(step):
+    """How the sample bases reach the device without an upload per step: segment j's base is
+    mix32(A_j + count·GOLDEN) (:func:`~dgc_horovod.core.sparsify.step_base`, A_j =
+    ``step.seeds[j]``), so the layout's table holds the deltas A_j − A_0 (mod 2**32), the same
+    at every step (uploaded again only for other names or seed), and each launch passes
+    x0 = A_0 + count·GOLDEN: the kernel computes base_j = mix32(x0 + delta_j), exactly the
+    host's value. Returns (deltas, x0)."""
+    a0 = step.seeds[0]
+    x0 = (a0 + (step.count & _M32) * sparsify.GOLDEN) & _M32
+    return tuple((a - a0) & _M32 for a in step.seeds), x0
 
 
 def _upload(values, dtype, device):
@@ -595,25 +585,17 @@ class _Layout:
     def __init__(self, step, device, block, deltas, scratch):
         T = len(step.sizes)
         sizes, plans = step.sizes, step.plans
-        goffs = [0]
-        for n in sizes:
-            goffs.append(goffs[-1] + n)
-        tiles, tstart = [], []
-        for j, n in enumerate(sizes):
-            tstart.append(len(tiles))
-            tiles += [j] * -(-n // block)
-        sstart = [0]
-        cstart = [0]
-        for p in plans:
-            sstart.append(sstart[-1] + p.s)
-            cstart.append(cstart[-1] + p.cap)
+        goffs = list(itertools.accumulate(sizes, initial=0))
+        tiles, tstart = _tiles(sizes, block)
+        sstart = list(itertools.accumulate((p.s for p in plans), initial=0))
+        cstart = list(itertools.accumulate((p.cap for p in plans), initial=0))
         self.T, self.ntiles = T, len(tiles)
         rows = []
         for j, (n, p) in enumerate(zip(sizes, plans)):
             iw = wire.index_words(n, p.k, step.index)
             vw = wire.value_words(p.k, step.values)
             rows += [step.offsets[j], n, goffs[j], p.k, p.s, p.ks1, p.ks2, p.cap, sstart[j],
-                     cstart[j], tstart[j], tstart[j] + -(-n // block), step.pstarts[j],
+                     cstart[j], tstart[j], tstart[j + 1], step.pstarts[j],
                      step.starts[j], iw, vw, max(p.k, 2 * vw), deltas[j], 0, 0]
         self.rows = rows
         self.device = device
@@ -633,9 +615,19 @@ class _Layout:
     def with_deltas(self, deltas):
         """Upload a new base column (another seed or other tensor names: rare)."""
         for j, d in enumerate(deltas):
-            self.rows[j * _NCOLS + _DELTA_COLUMN] = d
+            self.rows[j * _NCOLS + _C_DELTA.value] = d
         self.seg = _upload(self.rows, torch.int64, self.device)
         self.deltas = tuple(deltas)
+
+
+def _tiles(sizes, block):
+    """The tile table of segments of ``sizes`` elements (each tile's segment, ``block``
+    elements a tile) and where each segment's tiles start (T + 1 entries)."""
+    tiles, tstart = [], [0]
+    for j, n in enumerate(sizes):
+        tiles += [j] * -(-n // block)
+        tstart.append(len(tiles))
+    return tiles, tstart
 
 
 class _DecodeTable:
@@ -643,12 +635,11 @@ class _DecodeTable:
     a rank's frame and member index, and the tiles of the output buffer."""
 
     def __init__(self, sizes, offsets, words, fpos, members, estarts, device, block):
-        tiles, rows = [], []
+        tiles, tstart = _tiles(sizes, block)
+        rows = []
         for j, n in enumerate(sizes):
-            t0 = len(tiles)
-            tiles += [j] * -(-n // block)
-            rows += [offsets[j], n, 0, 0, 0, 0, 0, 0, 0, 0, t0, len(tiles), 0, estarts[j], 0, 0,
-                     words[j], 0, fpos[j], members[j]]
+            rows += [offsets[j], n, 0, 0, 0, 0, 0, 0, 0, 0, tstart[j], tstart[j + 1], 0,
+                     estarts[j], 0, 0, words[j], 0, fpos[j], members[j]]
         self.T, self.ntiles = len(sizes), len(tiles)
         self.seg = _upload(rows, torch.int64, device)
         self.tile = _upload(tiles, torch.int32, device)
@@ -720,8 +711,7 @@ class TritonEngine:
         u, v = flat
         dev = v.device
         T = len(step.sizes)
-        xs = [_unmix32(b) for b in step.bases]
-        deltas = tuple((x - xs[0]) & _M32 for x in xs)
+        deltas, x0 = _seed_deltas(step)
         lay = self._layout(step, dev, deltas)
         g = grads[0].contiguous() if T == 1 else torch.cat(grads, out=lay.gbuf)
         seg_scale = any(s != scales[0] for s in scales)
@@ -743,7 +733,7 @@ class TritonEngine:
         word3 = (wire.INDEX_ENCODINGS.index(step.index) << 8
                  | wire.VALUE_DTYPES.index(step.values) << 16)
         self._launch(_k_scan, T + lay.ntiles, g, uu, v, lay.seg, lay.tile, scale_t, lay.flags,
-                     lay.thr, lay.samp, xs[0] + (1 << 32), m, sc, T,
+                     lay.thr, lay.samp, x0 + (1 << 32), m, sc, T,
                      MOMENTUM=mom, NESTEROV=bool(step.nesterov), SEG_SCALE=seg_scale,
                      BLK=self.block, RB=self.rb, CH=self.chunk, per_segment=True)
         self._launch(_k_accumulate, lay.ntiles, g, uu, v, lay.seg, lay.tile, scale_t,
@@ -876,12 +866,9 @@ class TritonEngine:
             if nonfinite:
                 seg.fill_(float("nan"))
                 if result is not None and flat is not None and not bool(result.dropped[j]):
-                    c, e = int(result.counts[j]), step.starts[j]
                     u, v = flat
-                    idx = result.sel[e:e + c] + a
-                    v.index_copy_(0, idx, result.vals[e:e + c])
-                    if result.usent is not None and u is not None:
-                        u.index_copy_(0, idx, result.usent[e:e + c])
+                    restore_sent(B, None if u is None else u[a:a + n], v[a:a + n],
+                                 *result.entries(B, step, j, int(result.counts[j])))
             nfs.append(nonfinite)
         return nfs
 

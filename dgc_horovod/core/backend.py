@@ -250,10 +250,7 @@ class NumpyBackend(Backend):
             return x.ctypes.data
         return None
 
-
     def empty(self, n, dtype, like=None): return np.empty(n, dtype=self._DTYPES[dtype])
-
-
 
     def arange(self, n, like=None): return np.arange(n, dtype=np.int64)
 

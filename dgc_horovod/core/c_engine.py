@@ -90,7 +90,7 @@ class CEngine:
         u, v = flat
         up = 0 if u is None else self._ptr(u, "u")
         vp = self._ptr(v, "v")
-        parts, keep, pack, index = [], [], _ROW.pack, step.index
+        parts, keep, pack, index, bases = [], [], _ROW.pack, step.index, step.bases
         for j, g in enumerate(grads):
             gp = B.kernel_grad_ptr(g)
             if gp is None:                      # not float32 contiguous: a copy that is
@@ -99,7 +99,7 @@ class CEngine:
                 gp = self._ptr(g, "a gradient")
             p = step.plans[j]
             parts.append(pack(gp, step.offsets[j], p.n, p.k, p.s, p.ks1, p.ks2, p.cap,
-                              step.bases[j], step.pstarts[j], step.words[j],
+                              bases[j], step.pstarts[j], step.words[j],
                               wire.index_words(p.n, p.k, index), step.starts[j], 0, 0, 0, 0, 0))
         rows = array("q")
         rows.frombytes(b"".join(parts))

@@ -16,7 +16,7 @@ In order, for a bucket of entries (name, gradient, parameter):
 """
 import time
 
-from dgc_horovod.core import precision, sparsify
+from dgc_horovod.core import precision
 from dgc_horovod.core.engine import FlatState, OpsEngine, make_step
 from dgc_horovod.core.state import SparseContext
 from dgc_horovod.core.stats import StatsRecorder
@@ -158,7 +158,7 @@ class BucketDriver:
                            not lazy and not res.finite[j], share * st.numel, density, fp16[j]),)
         if not lazy:
             return None
-        return B, res.counts, res.finite, None if step.values == "float16" else res.fp16
+        return B, res.counts, res.finite
 
     # ------------------------------------------------------------------ decompress
     def decompress_bucket(self, gathered, world_size, name, contexts, average):
@@ -218,12 +218,9 @@ class BucketDriver:
         key = tuple(st.name for st in sts)
         kept = self._steps.get(key)
         if kept is None or kept[0] != density:
-            step = make_step(core.config, key, [st.numel for st in sts], density, 0,
-                             [st.key for st in sts])
-            seed = sparsify.seed_key(core.config.seed)
-            kept = self._steps[key] = (density, step, [sparsify.mix32(seed ^ st.key)
-                                                       for st in sts])
-        return kept[1].at([sparsify.step_base(ts, core.steps) for ts in kept[2]])
+            kept = self._steps[key] = (density, make_step(
+                core.config, key, [st.numel for st in sts], density, 0, [st.key for st in sts]))
+        return kept[1].at(core.steps)
 
 
 class EntryContext(SparseContext):

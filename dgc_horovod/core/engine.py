@@ -92,26 +92,32 @@ class Step:
     """What an engine needs of one bucket's step besides the tensors: host integers and flags.
 
     Attributes (lists have one entry per segment): names, sizes, offsets (as
-    :class:`FlatState`), plans (:class:`~dgc_horovod.core.sparsify.Plan`), bases (the samples'
-    :func:`~dgc_horovod.core.sparsify.sample_base`), words (each payload's size,
-    :func:`~dgc_horovod.core.wire.payload_words` (n, k)), pstarts (where each payload starts in
+    :class:`FlatState`), plans (:class:`~dgc_horovod.core.sparsify.Plan`), seeds (each
+    tensor's step-independent mix32(seed_key ^ tensor_key)), count (the optimizer step that
+    :attr:`bases`, the samples' :func:`~dgc_horovod.core.sparsify.sample_base`, follow),
+    words (each payload's size, :func:`~dgc_horovod.core.wire.payload_words` (n, k)), pstarts (where each payload starts in
     the result's payload buffer; T + 1 entries), starts (where each segment's selected entries
     start in the result's entry buffers, room for k each; T + 1 entries); momentum (float),
     nesterov, masking (momentum factor masking and momentum > 0), index, values (the wire
     encodings).
     """
 
-    __slots__ = ("names", "sizes", "offsets", "plans", "bases", "words", "pstarts", "starts",
-                 "momentum", "nesterov", "masking", "index", "values")
+    __slots__ = ("names", "sizes", "offsets", "plans", "seeds", "count", "words", "pstarts",
+                 "starts", "momentum", "nesterov", "masking", "index", "values")
 
     def __init__(self, **kw):
         for k, v in kw.items():
             setattr(self, k, v)
 
-    def at(self, bases):
-        """This step's sizes with other sample bases (the same bucket at another step)."""
+    @property
+    def bases(self):
+        """Each segment's :func:`~dgc_horovod.core.sparsify.sample_base` at step ``count``."""
+        return [sparsify.step_base(s, self.count) for s in self.seeds]
+
+    def at(self, count):
+        """The same bucket at optimizer step ``count`` (its samples' bases follow it)."""
         out = Step(**{k: getattr(self, k) for k in self.__slots__})
-        out.bases = bases
+        out.count = count
         return out
 
 
@@ -126,7 +132,7 @@ def make_step(config, names, sizes, density, step, keys=None):
     words = [wire.payload_words(n, p.k, c.wire_index, c.wire_values)
              for n, p in zip(sizes, plans)]
     return Step(names=tuple(names), sizes=list(sizes), offsets=flat_offsets(sizes), plans=plans,
-                bases=[sparsify.sample_base(seed, key, step) for key in keys], words=words,
+                seeds=[sparsify.mix32(seed ^ key) for key in keys], count=step, words=words,
                 pstarts=list(accumulate(words, initial=0)),
                 starts=list(accumulate((p.k for p in plans), initial=0)),
                 momentum=float(c.momentum), nesterov=bool(c.nesterov),
@@ -186,18 +192,19 @@ class OpsEngine:
         Returns a :class:`Result`."""
         B = self.B
         like = vs[0]
+        bases = step.bases
         sels, vals, usent = [], [], []
         payloads, counts, finite, fp16, dropped = [], [], [], [], []
         for j, (uj, vj, g) in enumerate(zip(us, vs, grads)):
             n, p = step.sizes[j], step.plans[j]
             ok = B.all_finite(g)
             finite.append(ok)
-            c, sent, f16, drop = 0, None, (0, 0), False
+            c, f16, drop = 0, (0, 0), False
             idx = B.empty_indices(like=like)
-            x = us_j = B.zeros(0, like=like)
+            x = sent = us_j = B.zeros(0, like=like)
             if ok:
                 momentum_correction(B, uj, vj, g, step.momentum, step.nesterov, scales[j])  # 2.
-                idx = sparsify.select(B, vj, p, step.bases[j])                          # 3.
+                idx = sparsify.select(B, vj, p, bases[j])                               # 3.
                 c = B.numel(idx)
                 x = B.take(vj, idx)
                 us_j = B.take(uj, idx) if step.masking else None
@@ -205,15 +212,14 @@ class OpsEngine:
                 sent = x
                 if step.values == "float16":                                            # 5.
                     sent, f16, drop = precision.round_to_fp16(B, uj, vj, idx, x)
-            payloads.append(wire.encode(B, n, idx, x if sent is None else sent,            # 6.
+            payloads.append(wire.encode(B, n, idx, sent,                                   # 6.
                                         0 if ok else wire.FLAG_NONFINITE, step.index,
                                         step.values, p.k))
             pad = p.k - c
             sels += [idx, B.int64_zeros(pad, like=like)]
             vals += [x, B.zeros(pad, like=like)]
             if step.masking:
-                usent += [B.zeros(c, like=like) if us_j is None else us_j,
-                          B.zeros(pad, like=like)]
+                usent += [us_j, B.zeros(pad, like=like)]
             counts.append(c)
             fp16.append(f16)
             dropped.append(drop)

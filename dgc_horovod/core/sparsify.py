@@ -10,8 +10,8 @@ graph select the same entries, bit for bit, and none of them hands a case to ano
 
 1. **Plan** (:class:`Plan`, host integers from (n, density) alone): k; s sampled positions
    (:func:`sample_count`; 0 when 2k >= n or ``exact_topk``: no sampling); the ranks ks1 and
-   ks2 (:func:`threshold_rank`, :func:`lower_rank`) of an upper and a lower threshold among
-   the samples.
+   ks2 (:func:`threshold_rank`, and LOWER times it, at most s: :func:`plan_k`) of an upper
+   and a lower threshold among the samples.
 2. **Sample** (§5): positions ``(h_i · n) >> 32`` with h_i = mix32(base + i·GOLDEN) for
    i < s, where base = :func:`sample_base` (seed, tensor, step): a counter-based hash that every
    engine computes itself (no generator state, no draws uploaded). The magnitudes are compared
@@ -34,7 +34,7 @@ nothing back from the device.
 import math
 import zlib
 
-__all__ = ["is_sparse", "k_for", "sample_count", "threshold_rank", "lower_rank",
+__all__ = ["is_sparse", "k_for", "sample_count", "threshold_rank",
            "Plan", "plan", "plan_k", "mix32", "seed_key", "tensor_key", "sample_base", "step_base", "sample_positions",
            "magnitude_bits", "select", "MIN_SAMPLES", "SAMPLE_OVERSHOOT", "LOWER", "MIX_M1",
            "MIX_M2", "GOLDEN", "MIN_BITS"]
@@ -80,11 +80,6 @@ def threshold_rank(n, k, s):
     """ks1, the rank of the upper threshold among the s sampled magnitudes (§5):
     ceil(SAMPLE_OVERSHOOT · k · s / n), in [1, s]: about 1.25·k entries reach it."""
     return min(s, max(1, math.ceil(SAMPLE_OVERSHOOT * k * s / n)))
-
-
-def lower_rank(n, k, s):
-    """ks2, the rank of the lower threshold: LOWER · ks1, at most s."""
-    return min(s, LOWER * threshold_rank(n, k, s))
 
 
 class Plan:
@@ -177,13 +172,6 @@ def magnitude_bits(B, v):
 
 
 # ----------------------------------------------------------------------------- the rule
-def _kth_largest(B, bits, rank):
-    """The rank-th largest of the int64 tensor ``bits`` (1 <= rank <= its size), as a Python
-    int."""
-    n = B.numel(bits)
-    return B.to_list(B.slice(B.sort(bits), n - rank, n - rank + 1))[0]
-
-
 def select(B, v, p, base):
     """The positions of v (flat float32, p.n elements) that the rule of the module docstring
     sends under :class:`Plan` p, ascending (int64 tensor of at most p.k entries). ``base``: the
@@ -194,9 +182,11 @@ def select(B, v, p, base):
     bits = magnitude_bits(B, v)
     t1 = t2 = MIN_BITS
     if p.s:
-        sampled = B.take(bits, sample_positions(B, base, p.s, p.n, like=bits))
-        t1 = max(_kth_largest(B, sampled, p.ks1), MIN_BITS)
-        t2 = max(_kth_largest(B, sampled, p.ks2), MIN_BITS)
+        # the ks1-th and ks2-th largest sampled magnitudes, from one sort
+        srt = B.sort(B.take(bits, sample_positions(B, base, p.s, p.n, like=bits)))
+        t1, = B.to_list(B.slice(srt, p.s - p.ks1, p.s - p.ks1 + 1))
+        t2, = B.to_list(B.slice(srt, p.s - p.ks2, p.s - p.ks2 + 1))
+        t1, t2 = max(t1, MIN_BITS), max(t2, MIN_BITS)
     level = t1 if B.count_true(bits >= t1) >= p.k else t2
     cand = B.indices_where_ge(bits, level)                # ascending
     if B.numel(cand) <= p.k:

@@ -130,26 +130,22 @@ class StatsRecorder:
         self._held = None       # compress_many: rows waiting for entry order
         self._deferred = []     # (B, selected, finite, fp16 tensors, the step's CompressionStats)
 
-    def defer(self, B, selected, finite, fp16=None):
+    def defer(self, B, selected, finite):
         """Counts still on a device, of rows already counted with 0 selected and finite: the
-        selected entries and the finite flags of T tensors (1-D tensors), and their float16
-        counts (a (T, 2) tensor; None: counted already), added to the current step's and the
-        total statistics by :meth:`resolve`."""
-        self._deferred.append((B, selected, finite, fp16, self.step))
+        selected entries and the finite flags of T tensors (1-D tensors), added to the current
+        step's and the total statistics by :meth:`resolve`. (Float16 counts are read at once
+        for their warnings, and are 0 without float16 wire values.)"""
+        self._deferred.append((B, selected, finite, self.step))
 
     def resolve(self):
         """Add the deferred counts (:meth:`defer`) to the statistics (reads them: waits for the
         device). Returns self."""
         deferred, self._deferred = self._deferred, []
-        for B, selected, finite, fp16, step in deferred:
+        for B, selected, finite, step in deferred:
             sel, nonfinite = sum(B.to_list(selected)), sum(1 - f for f in B.to_list(finite))
-            pairs = [] if fp16 is None else B.to_list(fp16.reshape(-1))   # (overflowed, flushed)
-            over, flushed = sum(pairs[0::2]), sum(pairs[1::2])
             for s in (step, self.total):
                 s.selected += sel
                 s.nonfinite_tensors += nonfinite
-                s.overflowed_entries += over
-                s.flushed_entries += flushed
         return self
 
     def starts_step(self, name):

@@ -266,10 +266,6 @@ def frame_bucket(B, entries, like):
     return B.cat(parts)
 
 
-def _payload_words(B, words, pos, total, name, rank):
-    return _header(B, words, pos, total, name, rank)[1]
-
-
 def split_bucket(B, gathered, world_size, members, name="<bucket>"):
     """Split an allgathered bucket into each member's payloads, in rank order.
 
@@ -302,7 +298,7 @@ def split_bucket(B, gathered, world_size, members, name="<bucket>"):
             member = B.to_list(B.slice(gathered, pos, pos + 1))[0]
             if not 0 <= member < members:
                 _fail(name, rank, f"names member {member} of a bucket of {members} tensors")
-            length = _payload_words(B, gathered, pos + 1, total, name, rank)
+            length = _header(B, gathered, pos + 1, total, name, rank)[1]
             if pos + 1 + length > total:
                 _fail(name, rank, "is truncated inside an entry")
             out[member].append(B.slice(gathered, pos + 1, pos + 1 + length))
