@@ -1,5 +1,6 @@
 """Shared by the tests: the layer markers and the check that every test carries one, launching
-real `horovodrun -np 2` jobs, reading Horovod timelines, the sparse_mechanics fixture."""
+real `horovodrun -np 2` (and plain `mpirun`) jobs, reading Horovod timelines, the
+sparse_mechanics fixture."""
 import json
 import os
 
@@ -33,7 +34,7 @@ LAYERS = {
             "simulated cluster): no launcher, no framework adapter; `make test-fast`",
     "adapter": "the torch / TensorFlow adapters (dgc_horovod.torch, dgc_horovod.tensorflow) "
                "in process, or in one child process without a launcher",
-    "horovodrun": "launches real `horovodrun` jobs (Gloo and MPI)",
+    "horovodrun": "launches real `horovodrun` jobs (Gloo and MPI), or plain `mpirun` ones",
     "environment": "the environment: install, wheel, Docker, two-host cluster, scripts run end "
                    "to end; some need root or are slow",
 }
@@ -67,10 +68,20 @@ def horovodrun(script_args, np=2, launcher="gloo", env=None, timeout=600):
     """Run `horovodrun -np N -H localhost:N --gloo|--mpi python ...`; return CompletedProcess."""
     cmd = [os.path.join(BIN, "horovodrun"), "-np", str(np), "-H", f"localhost:{np}",
            "--" + launcher, sys.executable] + list(script_args)
-    full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT,
-                    PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
-    full_env.update(env or {})
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+    return launch(cmd, dict(job_env(), **(env or {})), timeout)
+
+
+def job_env(environ=os.environ):
+    """``environ`` with what a launched job needs: this repository's dgc_horovod, the venv's
+    executables, TensorFlow quiet."""
+    return dict(environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT,
+                PATH=BIN + os.pathsep + environ.get("PATH", ""))
+
+
+def launch(cmd, env, timeout=600):
+    """Run a launcher's command line ``cmd`` in the repository root; the test fails with its
+    output unless it exits 0. Returns the CompletedProcess."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
