@@ -247,3 +247,86 @@ def test_statistics_inside_and_across_nodes():
         assert (s.cross_node_bytes, s.cross_node_received_bytes) == (40, 120)
         # the payload sent across was counted by compress: not again in wire_bytes
         assert (s.wire_bytes, s.received_bytes) == (600, 720)
+
+
+# ------------------------------------------------------------------ the simulated cluster
+def _mlp(seed=0):
+    import torch
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+
+
+def _simulate(config, world, local_size, steps, momentum=0.0, nan_at=None, seed=0):
+    """Train the MLP ``steps`` steps on ``world`` simulated workers; returns (model, cluster,
+    losses of worker 0, [whether every gradient was finite, per step])."""
+    import torch
+    from dgc_horovod.simulate import SimulatedCluster
+    model = _mlp(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    cluster = SimulatedCluster(model, opt, world, config, local_size=local_size)
+    g = torch.Generator().manual_seed(7)
+    teacher = torch.randn(32, 5, generator=g)
+    losses, finite = [], []
+    for step in range(steps):
+        xs = [torch.randn(16, 32, generator=g) for _ in range(world)]
+
+        def closure(k, x=None):
+            x = xs[k]
+            loss = torch.nn.functional.cross_entropy(model(x), (x @ teacher).argmax(1))
+            return loss * float("nan") if (step, k) == nan_at else loss
+        losses.append(cluster.backward([lambda k=k: closure(k) for k in range(world)])[0])
+        ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        finite.append(ok)
+        if ok:
+            opt.step()
+    return model, cluster, losses, finite
+
+
+def test_simulated_cluster_at_density_one_is_dense_momentum_sgd():
+    """4 workers as 2 nodes of 2 at ρ = 1 without masking: the dense cluster's momentum SGD."""
+    import torch
+    cfg = DGCConfig(exchange="hierarchical", compress_ratio=1.0, warmup_steps=0,
+                    momentum=0.9, momentum_masking=False, environ={})
+    hier, cluster, _, _ = _simulate(cfg, 4, 2, 5)
+    dense, _, _, _ = _simulate(None, 4, 1, 5, momentum=0.9)
+    for a, b in zip(hier.parameters(), dense.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the weights are sharded: each worker holds half of each, the biases whole
+    states = cluster.cores[0].states
+    assert states["0.weight"].numel == 32 * 64 // 2 and states["0.weight"].sparse
+    assert states["0.bias"].numel == 64 and not states["0.bias"].sparse
+
+
+def test_simulated_cluster_trains_and_counts_both_networks():
+    cfg = DGCConfig(exchange="hierarchical", compress_ratio=0.05, warmup_steps=0, environ={})
+    _, cluster, losses, finite = _simulate(cfg, 6, 3, 40)
+    assert all(finite) and losses[-1] < 0.7 * losses[0]
+    for core in cluster.cores:
+        st = core.step_stats
+        # two other nodes' payloads of this worker's shard, about as large as its own
+        assert 0 < st.cross_node_bytes and 0 < st.cross_node_received_bytes
+        assert st.cross_node_received_bytes <= 3 * 2 * st.cross_node_bytes
+        # inside the node: the reduction each way, then its shard out and the two others in
+        assert st.node_received_bytes > st.node_bytes > st.cross_node_bytes
+
+
+def test_simulated_cluster_nonfinite_worker_skips_the_step_and_poisons_no_state():
+    import torch
+    cfg = DGCConfig(exchange="hierarchical", compress_ratio=0.05, warmup_steps=0, environ={})
+    model, cluster, _, finite = _simulate(cfg, 4, 2, 4, nan_at=(2, 3))
+    assert finite == [True, True, False, True]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for core in cluster.cores:
+        for st in core.states.values():
+            assert all(t is None or bool(torch.isfinite(t).all()) for t in (st.u, st.v))
+
+
+def test_simulated_cluster_local_size_is_checked():
+    import torch
+    from dgc_horovod.simulate import SimulatedCluster
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hier = DGCConfig(exchange="hierarchical", environ={})
+    for bad, cfg in [(3, hier), (0, hier), (2, DGCConfig(environ={})), (2, None)]:
+        with pytest.raises(ValueError, match="local_size must be an int >= 1 that divides"):
+            SimulatedCluster(model, opt, 4, cfg, local_size=bad)

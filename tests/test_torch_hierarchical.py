@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from conftest import horovodrun
+from conftest import check_loss_scaler_saw_fp16_overflow, horovodrun
 
 pytestmark = pytest.mark.horovodrun
 
@@ -90,6 +90,13 @@ def test_nonfinite_step_poisons_nothing(run):
     assert r["skipped"] == [step == 3 for step in range(8)]
     assert r["identical"] and r["params_finite"] and r["states_finite"]
     assert r["nonfinite_tensors"] > 0
+
+
+def test_fp16_overflow_skips_the_step_everywhere(run):
+    """A float16 value beyond range in one shard makes the whole update non-finite on every
+    rank: the loss scaler skips the step alike everywhere and backs off."""
+    _, overflowed = check_loss_scaler_saw_fp16_overflow(run["fp16_overflow"])
+    assert sum(overflowed) > 0
 
 
 def test_checkpoint_holds_the_shard_and_refuses_another_layout(run):

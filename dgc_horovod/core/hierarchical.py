@@ -48,7 +48,7 @@ by itself, ``bucket_numel`` is not used), TensorFlow.
 from dgc_horovod.core.regions import bounds
 from dgc_horovod.core.sparsify import is_sparse
 
-__all__ = ["shard_bounds", "is_sharded", "node_layout", "LAYOUT_FIELDS"]
+__all__ = ["shard_bounds", "is_sharded", "dense_flat", "node_layout", "LAYOUT_FIELDS"]
 
 #: What each rank contributes to :func:`node_layout`: Horovod's own view of where it runs.
 LAYOUT_FIELDS = ("rank", "local_rank", "local_size", "cross_rank", "cross_size")
@@ -66,6 +66,23 @@ def is_sharded(numel, ndim, local_size, config):
     elements, with the tensor's dimensions); the others go through Horovod's dense allreduce as
     their momentum-corrected velocity, as under every exchange."""
     return is_sparse(numel // local_size, ndim, config)
+
+
+def dense_flat(name, numel, ndim, local_size, config):
+    """For a tensor that is not sharded (:func:`is_sharded`): whether it must reach
+    ``DGCCore.compress`` flattened to 1-D for the core to keep it dense, i.e. whether the core's
+    own rule would sparsify it whole (a tensor of fewer than L·min_sparse_numel elements).
+    Raises ValueError (naming it) when even flat it would be sparsified
+    (``min_sparse_ndim=1``)."""
+    if not is_sparse(numel, ndim, config):
+        return False
+    if is_sparse(numel, 1, config):
+        raise ValueError(
+            f"DGC(exchange='hierarchical'): {name!r} has {numel} elements, fewer than the "
+            f"{local_size} ranks of a node need to share it with min_sparse_numel="
+            f"{config.min_sparse_numel} each, and min_sparse_ndim={config.min_sparse_ndim} "
+            "sparsifies it whole: raise min_sparse_ndim to 2 or min_sparse_numel")
+    return True
 
 
 def node_layout(rows):

@@ -37,6 +37,7 @@ import torch
 from horovod.torch.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter, compression_namespace
+from dgc_horovod.core.hierarchical import dense_flat
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
@@ -176,15 +177,8 @@ class DGC(DGCAdapter, Compressor):
             self._exchange.hold()
             return tensor.new_zeros(1, dtype=torch.float32), ctx
         g, q = tensor, param
-        if is_sparse(tensor.numel(), tensor.dim(), self.config):    # the core would sparsify it
+        if dense_flat(name, tensor.numel(), tensor.dim(), hier.layout.local_size, self.config):
             g, q = tensor.reshape(-1), param.reshape(-1)
-            if is_sparse(g.numel(), 1, self.config):
-                raise ValueError(
-                    f"DGC(exchange='hierarchical'): {name!r} has {tensor.numel()} elements, "
-                    f"fewer than the {hier.layout.local_size} ranks of a node need to share it "
-                    f"with min_sparse_numel={self.config.min_sparse_numel} each, and "
-                    f"min_sparse_ndim={self.config.min_sparse_ndim} sparsifies it flat: raise "
-                    "min_sparse_ndim to 2 or min_sparse_numel")
         kind, out, _ = core.compress(name, g, hier.layout.nodes_count, q, average)
         self._exchange.hold()
         return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)

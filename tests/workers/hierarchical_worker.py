@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dgc_horovod.torch import DGC
-from torch_worker import (flat_params, identical_across_ranks, make,
+from torch_worker import (flat_params, scenario_fp16_overflow, identical_across_ranks, make,
                           nonfinite_facts, train, train_with_nan)
 
 SETTINGS = dict(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=512)
@@ -166,6 +166,8 @@ def main():
     if args.mode == "train":
         for scenario in (scenario_train, scenario_dense, scenario_nonfinite, scenario_checkpoint):
             scenario(results)
+        # float16 values that overflow in one shard: the whole update is non-finite everywhere
+        scenario_fp16_overflow(results, "fp16", exchange="hierarchical", min_sparse_numel=512)
     else:
         one_step(results)
         errors = hvd.allgather_object(results["error"], name="check.errors")
