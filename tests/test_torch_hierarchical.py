@@ -3,9 +3,10 @@
 job has two nodes of two ranks (local size 2, cross size 2) on one machine.
 
 One launch runs the scenarios of tests/workers/hierarchical_worker.py (``--mode train``); the
-tests below assert on what it recorded. Three short launches check the errors of a layout DGC
-cannot use and of Horovod started without dynamic process sets, and the process sets passed to
-``hvd.init``. Tensor fusion is off in the training job (``HOROVOD_FUSION_THRESHOLD=0``): with it,
+tests below assert on what it recorded. Short launches check the errors of a layout DGC
+cannot use and of Horovod started without dynamic process sets, the process sets passed to
+``hvd.init``, and the degenerate layouts: one rank per node (Gloo) and one node (MPI, where one
+machine is one node whatever the host names). Tensor fusion is off in the training job (``HOROVOD_FUSION_THRESHOLD=0``): with it,
 where Gloo's ring cuts a fused buffer depends on which tensors were ready together, and so the
 order in which 4 ranks' dense tensors are summed, which would make the resumed run differ from
 the uninterrupted one in the last bit (the replicas are identical either way).
@@ -124,3 +125,16 @@ def test_process_sets_given_to_init(tmp_path):
     r = _run(tmp_path, "given")
     assert r["errors"] == [None] * 4
     assert r["identical"] and r["changed"]
+
+
+@pytest.mark.parametrize("launcher,hosts,layout", [
+    ("gloo", "localhost:1,127.0.0.1:1", (1, 2)),     # one rank per node: DGC across nodes only
+    ("mpi", "localhost:2", (2, 1)),                  # one node: no traffic across nodes
+], ids=["gloo-1x2", "mpi-2x1"])
+def test_degenerate_layouts_train(tmp_path, launcher, hosts, layout):
+    out = tmp_path / "plain.json"
+    horovodrun(["tests/workers/hierarchical_worker.py", "--mode", "plain", "--out", str(out)],
+               np=2, hosts=hosts, launcher=launcher)
+    r = json.loads(out.read_text())
+    assert (r["local_size"], r["cross_size"]) == layout
+    assert r["errors"] == [None, None] and r["identical"] and r["changed"]
