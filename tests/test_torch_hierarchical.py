@@ -121,6 +121,15 @@ def test_without_dynamic_process_sets_clear_error(tmp_path):
     assert "process_sets='dynamic'" in r["errors"][0]
 
 
+def test_one_rank_on_another_exchange_clear_error(tmp_path):
+    """Rank 0 hierarchical, the others allgather: the ranks compare their settings before the
+    hierarchical exchange makes its first collective, so every rank raises, none hangs."""
+    r = _run(tmp_path, "mismatch")
+    assert "exchange: 'hierarchical' here, 'allgather' on rank 1" in r["errors"][0]
+    for e in r["errors"][1:]:
+        assert "exchange: 'allgather' here, 'hierarchical' on rank 0" in e
+
+
 def test_process_sets_given_to_init(tmp_path):
     r = _run(tmp_path, "given")
     assert r["errors"] == [None] * 4

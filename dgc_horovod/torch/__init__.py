@@ -128,12 +128,13 @@ class DGC(DGCAdapter, Compressor):
         if self._loss_scaler is not None and self._exchange.idle:    # the step's first gradient
             self._read_loss_scale()
         hier = self._hier
-        if hier is not None:                        # the nodes, at the first gradient
-            hier.setup(opt)
-        if self._core.fit_pending:                  # the first step after load_state_dict
-            self._core.check_fit(hier.fit_numels(opt) if hier is not None else
-                                 {n: q.numel() for q, n in opt._parameter_names.items()})
+        if hier is None and self._core.fit_pending:     # the first step after load_state_dict
+            self._core.check_fit({n: q.numel() for q, n in opt._parameter_names.items()})
         self._exchange.check_model(opt)             # the ranks' models and settings alike
+        if hier is not None:        # the nodes (after check_model: every rank takes this way)
+            hier.setup(opt)
+            if self._core.fit_pending:              # a checkpoint holds this rank's shards
+                self._core.check_fit(hier.fit_numels(opt))
         self._checks(opt, p, name)
         process_set, exchange, param = opt.process_set, self._exchange, p.detach()
         world, average = process_set.size(), opt.op == hvd.Average

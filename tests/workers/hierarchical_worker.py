@@ -4,8 +4,9 @@ Horovod sees them): DGC(exchange="hierarchical") with the stock horovod.torch.Di
 ``--mode train`` (Horovod with dynamic process sets) records what tests/test_torch_hierarchical.py
 asserts on; rank 0 writes it as JSON to --out. ``--mode static`` starts Horovod without dynamic
 process sets, ``--mode given`` with the 2 × 2 job's four process sets passed to ``hvd.init``, and
-``--mode plain`` (dynamic) is for any layout (e.g. unequal nodes): each trains two steps and
-records the error DGC raised, if any.
+``--mode plain`` (dynamic) is for any layout (e.g. unequal nodes), ``--mode mismatch`` has rank 0
+alone on the hierarchical exchange: each trains two steps and records the error DGC raised, if
+any.
 """
 import argparse
 import json
@@ -138,8 +139,8 @@ def scenario_checkpoint(results):
     results["checkpoint"] = out
 
 
-def one_step(results):
-    dgc = DGC(exchange="hierarchical", **SETTINGS)
+def one_step(results, exchange="hierarchical"):
+    dgc = DGC(exchange=exchange, **SETTINGS)
     model, opt = make("one", dgc)
     try:
         before = flat_params(model).clone()
@@ -154,7 +155,8 @@ def one_step(results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=("train", "static", "given", "plain"), default="train")
+    ap.add_argument("--mode", choices=("train", "static", "given", "plain", "mismatch"),
+                    default="train")
     args = ap.parse_args()
     if args.mode == "given":        # the node sets and the sets across nodes of 2 × 2 ranks
         hvd.init(process_sets=[hvd.ProcessSet(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])])
@@ -169,7 +171,8 @@ def main():
         # float16 values that overflow in one shard: the whole update is non-finite everywhere
         scenario_fp16_overflow(results, "fp16", exchange="hierarchical", min_sparse_numel=512)
     else:
-        one_step(results)
+        one_step(results, "allgather" if args.mode == "mismatch" and hvd.rank() else
+                 "hierarchical")
         errors = hvd.allgather_object(results["error"], name="check.errors")
         results["errors"] = errors
     if hvd.rank() == 0:
