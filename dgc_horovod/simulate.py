@@ -26,11 +26,18 @@ Dense training (``config=None``) averages the raw gradients the same way. With
 ``DGCConfig(exchange="regions")`` step 4 is the region exchange instead
 (:mod:`dgc_horovod.core.regions`): each worker's payloads split by region and framed per
 destination (Horovod's alltoall), each region's owner reduces it, and the owners' payloads are
-concatenated (the allgather) and decoded; the frames' bytes are counted, not built.
+concatenated (the allgather) and decoded; the frames' bytes are counted, not built. With
+``DGCConfig(exchange="hierarchical")`` and ``local_size=L`` the N = L·M workers are M nodes of L
+(workers c·L … c·L+L−1 form node c) and step 1–4 are the hierarchical exchange
+(:mod:`dgc_horovod.core.hierarchical`), one tensor at a time as the PyTorch adapter
+(:mod:`dgc_horovod.torch.hierarchical`) runs it: each node's gradient summed in rank order
+(× 1/L for Average), worker (c, j) compresses shard j of it with N = M, the M payloads of a shard
+concatenated in node order and decoded, the shards joined; the other tensors' velocities
+averaged over all N workers (Horovod's allreduce).
 """
 import torch
 
-from dgc_horovod.core import PLACEHOLDER_BYTES, DGCConfig, DGCCore, regions, wire
+from dgc_horovod.core import PLACEHOLDER_BYTES, DGCConfig, DGCCore, hierarchical, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
 from dgc_horovod.backends.torch_backend import TorchBackend
 
@@ -48,6 +55,8 @@ class SimulatedCluster:
         world_size (int): N >= 1.
         config (DGCConfig or None): DGC's settings; None trains dense (Horovod's plain average).
         average (bool): ``op=hvd.Average`` (True) or ``op=hvd.Sum``.
+        local_size (int): L, workers per node, with ``exchange="hierarchical"`` (world_size a
+            multiple of it); 1 otherwise.
 
     Use::
 
@@ -58,9 +67,16 @@ class SimulatedCluster:
             opt.step()
     """
 
-    def __init__(self, model, optimizer, world_size, config=None, average=True):
+    def __init__(self, model, optimizer, world_size, config=None, average=True, local_size=1):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        hier = config is not None and getattr(config, "exchange", None) == "hierarchical"
+        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
+                or world_size % local_size or (local_size > 1 and not hier):
+            raise ValueError(f"local_size must be an int >= 1 that divides world_size "
+                             f"({world_size}), and 1 unless config has exchange='hierarchical', "
+                             f"got {local_size!r}")
+        self.local_size = local_size
         if config is not None and not isinstance(config, DGCConfig):
             raise TypeError(f"config must be a DGCConfig or None, got {type(config).__name__}")
         names = {p: n for n, p in model.named_parameters()}
@@ -107,7 +123,8 @@ class SimulatedCluster:
             for name, p in self.params:
                 p.grad = self._dense_reduce([g[name] for g in grads]).view_as(p)
             return
-        out = self._dgc_reduce(grads)
+        out = (self._hier_reduce(grads) if self.config.exchange == "hierarchical"
+               else self._dgc_reduce(grads))
         for name, p in self.params:
             p.grad = out[name].view(p.shape).to(p.dtype)
 
@@ -189,6 +206,72 @@ class SimulatedCluster:
         for n in dense[0]:
             out[n] = self._weight_decay(n, self._dense_reduce([d[n] for d in dense]),
                                         byname[n], wd)
+        return out
+
+    def _hier_reduce(self, grads):
+        """``exchange="hierarchical"`` (see the module docstring): {name: the update}."""
+        N, L, B, avg = self.world_size, self.local_size, self.B, self.average
+        M = N // L
+        cores = [self.cores[c * L:(c + 1) * L] for c in range(M)]
+        out, dense = {}, {}
+        for name, p in self.params:
+            n, shape = p.numel(), p.shape
+            if not hierarchical.is_sharded(n, p.dim(), L, self.config):
+                flat = hierarchical.dense_flat(name, n, p.dim(), L, self.config)
+                dense[name] = [core.compress(name, g[name].reshape(-1) if flat else g[name], M,
+                                             p.detach(), avg)[1]
+                               for core, g in zip(self.cores, grads)]
+                continue
+            spans = hierarchical.shard_bounds(n, L)
+            nodes = []
+            for c in range(M):                  # the node's reduction, in rank order
+                G = grads[c * L][name].reshape(-1).to(torch.float32, copy=True)
+                for j in range(1, L):
+                    G += grads[c * L + j][name].reshape(-1)
+                if avg and L > 1:
+                    G.mul_(1.0 / L)
+                nodes.append(G)
+            payloads = [[None] * L for _ in range(M)]
+            ctxs = [[None] * L for _ in range(M)]
+            w = p.detach().reshape(-1)
+            for c, G in enumerate(nodes):
+                finite = B.all_finite(G)
+                for j, (lo, hi) in enumerate(spans):
+                    view = (1,) * (p.dim() - 1) + (hi - lo,)
+                    shard = G[lo:hi] if finite else torch.full((hi - lo,), float("nan"))
+                    core = cores[c][j]
+                    _, payloads[c][j], ctxs[c][j] = core.compress(
+                        name, shard.view(view), M, w[lo:hi].view(view), avg)
+                    reduced = 4 * n if L > 1 else 0
+                    core.count_hierarchical(node=(reduced, reduced),
+                                            cross=(4 * B.numel(payloads[c][j]), 0))
+            shards, finite = [], []
+            for j, (lo, hi) in enumerate(spans):
+                gathered = B.cat([payloads[c][j] for c in range(M)])
+                upd = None
+                for c in range(M):              # every node decodes (and settles its state)
+                    core = cores[c][j]
+                    core.count_hierarchical(cross=(0, 4 * (B.numel(gathered)
+                                                          - B.numel(payloads[c][j]))))
+                    res = core.finish_update(name, core.decompress(gathered, ctxs[c][j], M,
+                                                                   avg), w[lo:hi])
+                    upd = res if upd is None else upd
+                    if L > 1:
+                        core.count_hierarchical(node=(4 * (hi - lo), 4 * (n - (hi - lo))))
+                shards.append(upd)
+                finite.append(B.all_finite(upd))
+            full = torch.cat(shards)
+            if not all(finite):                 # the whole tensor is skipped, as the adapter's
+                for j, ok in enumerate(finite):
+                    if ok:
+                        for c in range(M):
+                            cores[c][j].discard_sent(ctxs[c][j])
+                full.fill_(float("nan"))
+            out[name] = full
+        byname = dict(self.params)
+        wd = self.cores[0].separate_weight_decay
+        for name, vs in dense.items():
+            out[name] = self._weight_decay(name, self._dense_reduce(vs), byname[name], wd)
         return out
 
     def _regions_bucket(self, payloads, contexts):

@@ -25,7 +25,8 @@ __all__ = ["EventWriter", "write_stats", "log_stats", "STATS_SCALARS"]
 #: CompressionStats fields written by :func:`write_stats` (tag ``prefix + name``).
 STATS_SCALARS = ("density", "ratio", "received_ratio", "selected", "wire_bytes",
                  "received_bytes", "dense_bytes", "compress_seconds", "nonfinite_tensors",
-                 "overflowed_entries", "flushed_entries")
+                 "overflowed_entries", "flushed_entries", "node_bytes", "node_received_bytes",
+                 "cross_node_bytes", "cross_node_received_bytes")
 
 
 class EventWriter:
@@ -86,7 +87,9 @@ def log_stats(writer, dgc, step, since=None, prefix="dgc/"):
     Writes ``prefix + name`` for name in :data:`STATS_SCALARS` (density, ratio and
     received_ratio (dense bytes over the bytes sent / received), selected, wire_bytes,
     received_bytes, dense_bytes, compress_seconds, nonfinite_tensors, overflowed_entries,
-    flushed_entries); returns the dict of values written. Example::
+    flushed_entries, and the hierarchical exchange's node_bytes, node_received_bytes,
+    cross_node_bytes, cross_node_received_bytes: 0 with the other exchanges); returns the
+    dict of values written. Example::
 
         start = dgc.total_stats.copy()
         ...train one epoch...

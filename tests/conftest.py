@@ -64,9 +64,11 @@ def pytest_collection_modifyitems(config, items):
             "a module mixes layers (tests/conftest.py, docs/testing.md):\n" + "\n".join(bad))
 
 
-def horovodrun(script_args, np=2, launcher="gloo", env=None, timeout=600):
-    """Run `horovodrun -np N -H localhost:N --gloo|--mpi python ...`; return CompletedProcess."""
-    cmd = [os.path.join(BIN, "horovodrun"), "-np", str(np), "-H", f"localhost:{np}",
+def horovodrun(script_args, np=2, launcher="gloo", env=None, timeout=600, hosts=None):
+    """Run `horovodrun -np N -H localhost:N --gloo|--mpi python ...`; return CompletedProcess.
+    ``hosts``: another -H argument, e.g. "localhost:2,127.0.0.1:2" (with Gloo, two nodes of two
+    ranks as Horovod sees them: it places ranks by host name)."""
+    cmd = [os.path.join(BIN, "horovodrun"), "-np", str(np), "-H", hosts or f"localhost:{np}",
            "--" + launcher, sys.executable] + list(script_args)
     return launch(cmd, dict(job_env(), **(env or {})), timeout)
 

@@ -607,6 +607,27 @@ class DGCCore:
         with self._lock:
             self._stats.add_wire_bytes(nbytes, received)
 
+    def count_hierarchical(self, node=(0, 0), cross=(0, 0)):
+        """``exchange="hierarchical"``: count bytes (sent, received) of DGC's collectives inside
+        the node (``node``) and across nodes (``cross``: the payload compress returned, sent to
+        the other nodes, and theirs received) in the stats, in the node_* / cross_node_* fields
+        and in wire_bytes / received_bytes (where compress counted the payload already)."""
+        with self._lock:
+            self._stats.count_hierarchical(node, cross)
+
+    def discard_sent(self, ctx):
+        """``exchange="hierarchical"``: the whole update of ``ctx``'s tensor is non-finite
+        although this rank's shard of it decoded finite (another shard's float16 value
+        overflowed): put back what this rank sent, as :meth:`decompress` does for a non-finite
+        decode (under ``skip_nonfinite_steps``, with every other exchange of the step)."""
+        st = self.states[ctx.name]
+        with self._lock:
+            if self.skip_nonfinite_steps:
+                if not self._skipped:       # restores ctx's entries with the step's others
+                    self._skip_step()
+            elif ctx.indices is not None:
+                restore_sent(self.B, st.u, st.v, ctx.indices, ctx.values, ctx.u_sent)
+
     def count_allgather(self, output_words, input_words):
         """Count what this rank received by one allgather of int32 words in the stats: Horovod's
         allgather returns every rank's input concatenated, so the rank received the output but

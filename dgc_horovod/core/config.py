@@ -100,7 +100,7 @@ _INDEX = ("delta16", "int32")
 _VALUES = ("float32", "float16")
 _CLIP_SCOPES = ("global", "tensor")
 _WD_MODES = ("separate", "accumulated")
-_EXCHANGES = ("allgather", "regions")
+_EXCHANGES = ("allgather", "regions", "hierarchical")
 _ENGINES = ("auto", "c", "triton", "ops")
 #: Options that change how a rank computes, never what: left out of the comparisons of
 #: :func:`config_diff` (checkpoints, ranks of one job).
@@ -138,7 +138,7 @@ _OPTIONS = {
                     "one of float32, float16"),
     "bucket_numel": (2 ** 22, lambda n, v: _check_int(n, v, 0), int, "an int >= 0"),
     "exchange": ("allgather", lambda n, v: _check_choice(n, v, _EXCHANGES), str.lower,
-                 "one of allgather, regions"),
+                 "one of allgather, regions, hierarchical"),
     "engine": ("auto", lambda n, v: _check_choice(n, v, _ENGINES), str.lower,
                "one of auto, c, triton, ops"),
 }
@@ -257,6 +257,12 @@ class DGCConfig:
             per rank, whatever N; it applies the k largest of the summed selections and keeps
             the rest in the owners' residuals (:mod:`dgc_horovod.core.regions`), so it needs
             about 16× the density to train as well (measured in docs/scaling.md).
+            "hierarchical": the dense gradient is averaged inside each node (hosts with
+            several ranks), each rank of a node runs DGC on its shard of the node's average and
+            allgathers its payload with the same rank of every other node, and an allgather
+            inside the node joins the shards: the nodes are the DGC workers
+            (:mod:`dgc_horovod.core.hierarchical`; PyTorch; Horovod started with dynamic
+            process sets, ``hvd.init(process_sets="dynamic")``; no clipping yet).
         engine (str): what computes the compress and decode steps (:mod:`dgc_horovod.core.engine`;
             every engine gives the same bits): "auto" (default) the C kernels for tensors in host
             memory, the Triton kernels for CUDA tensors (Triton ships with PyTorch's CUDA
@@ -328,6 +334,10 @@ class DGCConfig:
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("nesterov=True needs momentum > 0"
                              + self._from("nesterov", "momentum"))
+        if self.exchange == "hierarchical" and self.clip_norm is not None:
+            raise ValueError("clip_norm must be None with exchange='hierarchical' (clipping is "
+                             "not implemented for that exchange yet)"
+                             + self._from("clip_norm", "exchange"))
 
     @classmethod
     def _read_environ(cls, environ):

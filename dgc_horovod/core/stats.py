@@ -13,7 +13,8 @@ PLACEHOLDER_BYTES = 4
 
 #: Counters added after checkpoint format version 2 was first written: a state dict without them
 #: (saved by an earlier dgc_horovod) loads with them at 0.
-ADDED_FIELDS = ("received_bytes", "overflowed_entries", "flushed_entries")
+ADDED_FIELDS = ("received_bytes", "overflowed_entries", "flushed_entries", "node_bytes",
+                "node_received_bytes", "cross_node_bytes", "cross_node_received_bytes")
 
 
 class CompressionStats:
@@ -38,6 +39,18 @@ class CompressionStats:
             the step's update is non-finite on every rank (see :mod:`dgc_horovod.core.precision`).
         flushed_entries (int): with ``wire_values="float16"``, non-zero selected values that
             float16 rounds to 0 (|v| <= 2**-25): sent as 0, the value stays in the residual.
+        node_bytes, node_received_bytes (int): ``exchange="hierarchical"``: bytes this rank
+            sent and received in DGC's collectives inside its node (the dense allreduce of the
+            node's gradient, counted each way at the tensor's size as for Horovod's allreduce,
+            and the allgather of the decoded shards: its shard out, the others' in). 0 with the
+            other exchanges.
+        cross_node_bytes, cross_node_received_bytes (int): ``exchange="hierarchical"``: bytes
+            this rank sent to and received from the other nodes: its shard's payloads (the
+            allgather input) and the other nodes' payloads of its shard. 0 with the other
+            exchanges (there every byte of an allgather crosses nodes or not depending on
+            where the ranks run). Both pairs are also in wire_bytes and received_bytes, which
+            with this exchange count elements, selected and dense_bytes for this rank's shards;
+            Horovod's own allreduce (placeholders, dense tensors) is in those only.
         compress_seconds (float): wall time spent in compress (accumulate + select + encode), s.
         density (float): the target density in force at the last compress call.
     """
@@ -230,6 +243,18 @@ class StatsRecorder:
         for s in (self.step, self.total):
             s.wire_bytes += nbytes
             s.received_bytes += received
+
+    def count_hierarchical(self, node=(0, 0), cross=(0, 0)):
+        """Bytes (sent, received) of the hierarchical exchange inside the node and across nodes
+        (see DGCCore.count_hierarchical); added to wire_bytes and received_bytes too, but the
+        payload sent across nodes, which compress counted there already."""
+        for s in (self.step, self.total):
+            s.node_bytes += node[0]
+            s.node_received_bytes += node[1]
+            s.cross_node_bytes += cross[0]
+            s.cross_node_received_bytes += cross[1]
+            s.wire_bytes += node[0]         # the payload sent across: counted by compress
+            s.received_bytes += node[1] + cross[1]
 
     def count_allgather(self, output_words, input_words):
         """What one allgather of int32 words brought in (see DGCCore.count_allgather)."""

@@ -37,11 +37,13 @@ import torch
 from horovod.torch.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter, compression_namespace
+from dgc_horovod.core.hierarchical import dense_flat
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch import elastic, loss_scale
 from dgc_horovod.torch.exchange import Exchange, Pending
+from dgc_horovod.torch.hierarchical import Hierarchical, HierarchicalPending, current_layout
 from dgc_horovod.torch.params import (OptimizerChecks, check_one_synchronize, find_parameter,
                                       undo_refused_step)
 
@@ -83,7 +85,7 @@ class DGC(DGCAdapter, Compressor):
     """
 
     _hvd = hvd
-    exchanges = ("allgather", "regions")
+    exchanges = ("allgather", "regions", "hierarchical")
     _own_kwargs = ("loss_scaler",)
 
     _copy_hint = ("For Horovod Elastic, pass it to hvd.elastic.TorchState(..., dgc=dgc), whose "
@@ -97,6 +99,7 @@ class DGC(DGCAdapter, Compressor):
         self._loss_scaler = loss_scaler
         self._core.skip_nonfinite_steps = loss_scale.skips_nonfinite_steps(loss_scaler)
         self._exchange = Exchange(self._core, self.config.bucket_numel)
+        self._hier = self._new_hierarchical()
         self._checks = OptimizerChecks(self._check_optimizer)
         if hvd.is_initialized() and hvd.size() == 1:
             self._warn_single_process()
@@ -124,12 +127,19 @@ class DGC(DGCAdapter, Compressor):
         self._follow_horovod()
         if self._loss_scaler is not None and self._exchange.idle:    # the step's first gradient
             self._read_loss_scale()
-        if self._core.fit_pending:                  # the first step after load_state_dict
+        hier = self._hier
+        if hier is None and self._core.fit_pending:     # the first step after load_state_dict
             self._core.check_fit({n: q.numel() for q, n in opt._parameter_names.items()})
         self._exchange.check_model(opt)             # the ranks' models and settings alike
+        if hier is not None:        # the nodes (after check_model: every rank takes this way)
+            hier.setup(opt)
+            if self._core.fit_pending:              # a checkpoint holds this rank's shards
+                self._core.check_fit(hier.fit_numels(opt))
         self._checks(opt, p, name)
         process_set, exchange, param = opt.process_set, self._exchange, p.detach()
         world, average = process_set.size(), opt.op == hvd.Average
+        if hier is not None:
+            return self._compress_hierarchical(name, tensor, param, average)
         sparse = is_sparse(tensor.numel(), tensor.dim(), self.config)
         in_place = tensor.dtype is torch.float32 and tensor.is_contiguous()   # see Pending.out
         into = tensor if sparse and in_place else None
@@ -155,6 +165,55 @@ class DGC(DGCAdapter, Compressor):
                       out=into)
         return tensor.new_zeros(1, dtype=torch.float32), ctx
 
+    def _compress_hierarchical(self, name, tensor, param, average):
+        """``exchange="hierarchical"`` (:mod:`dgc_horovod.torch.hierarchical`): a sharded
+        tensor's node reduction starts; any other goes through Horovod's allreduce as its
+        velocity, as under every exchange (with N = the number of nodes)."""
+        hier, core = self._hier, self._core
+        if not tensor.is_floating_point():
+            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
+                            f"got dtype {tensor.dtype}")
+        if hier.sharded(tensor):
+            ctx = hier.start(name, tensor, param, average)
+            self._exchange.hold()
+            return tensor.new_zeros(1, dtype=torch.float32), ctx
+        g, q = tensor, param
+        if dense_flat(name, tensor.numel(), tensor.dim(), hier.layout.local_size, self.config):
+            g, q = tensor.reshape(-1), param.reshape(-1)
+        kind, out, _ = core.compress(name, g, hier.layout.nodes_count, q, average)
+        self._exchange.hold()
+        return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)
+
+    def _new_hierarchical(self):
+        return Hierarchical(self._core) if self.config.exchange == "hierarchical" else None
+
+    def state_dict(self, process_set=None):
+        sd = super().state_dict(process_set)
+        if self._hier is not None:          # the shards' layout, which load_state_dict checks
+            lay = self._hier.layout
+            sd["layout"] = lay.to_dict() if lay is not None else current_layout()
+        return sd
+
+    state_dict.__doc__ = DGCAdapter.state_dict.__doc__ + (
+        "\n        With ``exchange=\"hierarchical\"`` the dict also holds ``layout``: "
+        "{local_size, nodes, shard}\n        (this rank's shard of each sparsified tensor).\n")
+
+    def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
+        if self._hier is not None and not reset_residuals and isinstance(state_dict, dict):
+            lay = self._hier.layout
+            now = lay.to_dict() if lay is not None else current_layout()
+            saved = state_dict.get("layout")
+            if saved != now:
+                raise ValueError(
+                    f"DGC checkpoint was saved with the node layout {saved} (local_size: ranks "
+                    f"per node, nodes, shard: this rank's place in its node), this job has "
+                    f"{now}: with exchange='hierarchical' each rank's state is its shard of the "
+                    "node's gradients. Resume on the same layout, or load with "
+                    "reset_residuals=True")
+        super().load_state_dict(state_dict, reset_residuals, process_set)
+
+    load_state_dict.__doc__ = DGCAdapter.load_state_dict.__doc__
+
     def decompress(self, tensor, ctx):
         """Return the averaged (or summed) gradient for Horovod to set as ``p.grad``."""
         if ctx is None:                       # Horovod's sparse (two-allgather) path
@@ -162,6 +221,9 @@ class DGC(DGCAdapter, Compressor):
         if self._loss_scaler is not None:     # the plain scaler.step(opt) loop is refused
             loss_scale.check_not_unscaled(self._loss_scaler, self._checks.optimizer())
         core = self._core
+        if isinstance(ctx, HierarchicalPending):    # exchange="hierarchical": finished there
+            self._exchange.release()
+            return self._hier.receive(ctx).view(ctx.shape).to(ctx.dtype)
         if not isinstance(ctx, Pending):      # dense tensor: Horovod's allreduce already reduced
             shape, dtype, name, param = ctx
             self._exchange.release()
@@ -185,6 +247,7 @@ class DGC(DGCAdapter, Compressor):
 
     def _drop_pending(self):
         self._exchange = Exchange(self._core, self.config.bucket_numel)
+        self._hier = self._new_hierarchical()
 
     def _drop_checks(self):
         self._checks.forget_parameters()

@@ -312,13 +312,14 @@ def scenario_nonfinite(results, prefix):
     results["nonfinite"] = nonfinite_facts(dgc, model, train_with_nan(model, opt))
 
 
-def scenario_fp16_overflow(results, prefix, steps=16):
+def scenario_fp16_overflow(results, prefix, steps=16, **dgc_kw):
     """wire_values="float16" under the documented GradScaler pattern, the loss scale too large
     for float16 (2**24): DGC's selected values overflow, the scaler must see it, skip the steps
-    and back off until they fit; the replicas stay bit-identical, u and v finite."""
+    and back off until they fit; the replicas stay bit-identical, u and v finite. ``dgc_kw``:
+    more DGC settings (another exchange)."""
     from edge_worker import scaler_step           # the documented GradScaler pattern
-    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=1024,
-              wire_values="float16")
+    dgc = DGC(**dict(dict(compress_ratio=0.01, momentum=0.9, warmup_epochs=0,
+                          min_sparse_numel=1024, wire_values="float16"), **dgc_kw))
     model, opt = make(prefix, dgc)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
     scales, stepped, overflowed = [], [], []

@@ -1,0 +1,125 @@
+"""The hierarchical exchange (``exchange="hierarchical"``): dense inside a node, DGC across nodes.
+
+A job of M nodes with L ranks each (GPUs joined by fast links inside a node, the nodes by a slow
+network). With the other exchanges every rank is a DGC worker; here the nodes are. For one
+sparsified tensor of n elements, on node c with ranks r = (c, 0..L−1) (rank j of a node: its
+position among the node's global ranks, ascending):
+
+    shards      S_j = [⌊j·n/L⌋, ⌊(j+1)·n/L⌋), j = 0..L−1 (contiguous; sizes differ by at most 1;
+                :func:`shard_bounds`, the regions of :mod:`dgc_horovod.core.regions` with L)
+    1. node     (allreduce inside the node) every rank of node c gets the node's gradient
+                G_c = (1/L)·Σ_j g_(c,j) (op=Average; op=Sum: G_c = Σ_j g_(c,j)), bit-identical
+                on the node's ranks
+    2. select   rank (c, j) runs Algorithm 1 on G_c|S_j, its shard, as one worker of M: its own
+                u_(c,j), v_(c,j) of |S_j| elements; momentum correction u ← m·u + G_c|S_j,
+                v ← v + u; top-k of |v| with k = max(1, ⌈ρ·|S_j|⌉); u, v cleared at the sent
+                positions; payload P_(c,j). A node whose G_c has a NaN/Inf anywhere sends every
+                shard as non-finite (nothing accumulated on any of its ranks, as one worker of
+                the allgather exchange does for the whole tensor)
+    3. across   (allgather over the process set X_j = {(0, j), …, (M−1, j)}, the j-th rank of
+                every node) every rank (·, j) receives P_(0,j) … P_(M−1,j) and decodes them in
+                node order: Δ|S_j = (1/M)·Σ_c P_(c,j) (op=Average; op=Sum without 1/M),
+                bit-identical on X_j; then the separate weight decay, on the shard
+    4. gather   (allgather inside the node, in shard order) every rank of node c gets
+                Δ = Δ|S_0 ‖ … ‖ Δ|S_(L−1), the whole update, bit-identical on every rank
+
+The rank-mean → sum mapping. Horovod hands rank r its mean gradient g_r (Average) and the
+update of a dense allreduce is (1/(L·M))·Σ_r g_r. The paper's worker k adds ∇k = (1/(N·b))·Σ∇f
+to a sum; here worker k is node c with N = M and contribution G_c/M, and (1/M)·Σ_c G_c =
+(1/(L·M))·Σ_r g_r: node averages, then the DGC average over nodes, give Horovod's average, and
+density 1 gives dense momentum SGD. Under op=Sum the node sums and the DGC sum over nodes give
+Σ_r g_r. So N = M everywhere the core uses the world size (the 1/N of decode, the statistics'
+workers; the clipping threshold C·√M when clipping is supported: it is not yet, see below).
+
+Nothing is lost: after a finite step Σ_c v_(c,j) + M·Δ|S_j (Average; Sum: Δ|S_j) equals
+Σ_c v_(c,j) before the selection plus Σ_c G_c|S_j, for every shard j: what a shard did not send
+stays in that shard's residual. A non-finite update (a node's NaN/Inf gradient, or a float16
+value beyond range on the wire) makes the tensor's whole update NaN on every rank, and every
+rank puts what it sent back into its u and v, as the allgather exchange does.
+
+Traffic per step and tensor (payload P of about k_j = ρ·n/L entries): across nodes rank (c, j)
+sends P once and receives the M−1 other nodes' payloads of its shard, so a node receives about
+(M−1)·ρ·n entries, against L²·(M−1)·ρ·n with every rank a worker (allgather exchange). Inside
+the node: the dense allreduce of n float32 and the allgather of the n float32 of Δ.
+
+Not yet: clipping (``clip_norm``), the bucketed allgather (every sparsified tensor is exchanged
+by itself, ``bucket_numel`` is not used), TensorFlow.
+"""
+from dgc_horovod.core.regions import bounds
+from dgc_horovod.core.sparsify import is_sparse
+
+__all__ = ["shard_bounds", "is_sharded", "dense_flat", "node_layout", "LAYOUT_FIELDS"]
+
+#: What each rank contributes to :func:`node_layout`: Horovod's own view of where it runs.
+LAYOUT_FIELDS = ("rank", "local_rank", "local_size", "cross_rank", "cross_size")
+
+
+def shard_bounds(numel, local_size):
+    """[(lo, hi)] of the L shards of a tensor of ``numel`` elements:
+    S_j = [⌊j·n/L⌋, ⌊(j+1)·n/L⌋)."""
+    return bounds(numel, local_size)
+
+
+def is_sharded(numel, ndim, local_size, config):
+    """The hierarchical exchange's rule for which tensors are sparsified: those whose every shard
+    would be (:func:`~dgc_horovod.core.sparsify.is_sparse` of the smallest shard, ⌊n/L⌋
+    elements, with the tensor's dimensions); the others go through Horovod's dense allreduce as
+    their momentum-corrected velocity, as under every exchange."""
+    return is_sparse(numel // local_size, ndim, config)
+
+
+def dense_flat(name, numel, ndim, local_size, config):
+    """For a tensor that is not sharded (:func:`is_sharded`): whether it must reach
+    ``DGCCore.compress`` flattened to 1-D for the core to keep it dense, i.e. whether the core's
+    own rule would sparsify it whole (a tensor of fewer than L·min_sparse_numel elements).
+    Raises ValueError (naming it) when even flat it would be sparsified
+    (``min_sparse_ndim=1``)."""
+    if not is_sparse(numel, ndim, config):
+        return False
+    if is_sparse(numel, 1, config):
+        raise ValueError(
+            f"DGC(exchange='hierarchical'): {name!r} has {numel} elements, fewer than the "
+            f"{local_size} ranks of a node need to share it with min_sparse_numel="
+            f"{config.min_sparse_numel} each, and min_sparse_ndim={config.min_sparse_ndim} "
+            "sparsifies it whole: raise min_sparse_ndim to 2 or min_sparse_numel")
+    return True
+
+
+def node_layout(rows):
+    """The nodes and the cross-node process sets from every rank's Horovod view.
+
+    Args:
+        rows: one sequence per rank, in rank order, of the :data:`LAYOUT_FIELDS` values
+            (rank, local_rank, local_size, cross_rank, cross_size) as Horovod reports them
+            (``hvd.local_rank()`` etc.: ranks on one host share a node).
+    Returns:
+        (nodes, crosses): nodes[c] the global ranks of node c ascending (the node whose ranks
+        have cross_rank c), crosses[j] = [nodes[0][j], …, nodes[M−1][j]], the j-th rank of every
+        node. Every rank computes the same from the same rows.
+    Raises:
+        ValueError: the nodes have different numbers of ranks, or the rows do not describe
+            M equal nodes (names the ranks of each node).
+    """
+    rows = [tuple(int(x) for x in row) for row in rows]
+    sizes = {}
+    for rank, _, local_size, cross_rank, _ in rows:
+        sizes.setdefault(local_size, []).append(rank)
+    if len(sizes) > 1:
+        detail = "; ".join(f"ranks {ranks} on nodes of {size}" for size, ranks in
+                           sorted(sizes.items()))
+        raise ValueError("DGC(exchange='hierarchical') needs nodes with the same number of "
+                         f"ranks (hvd.local_size()), got {detail}: start the job with the "
+                         "same number of slots on every host, or use exchange='allgather'")
+    local_size = rows[0][2]
+    groups = {}
+    for rank, _, _, cross_rank, _ in rows:
+        groups.setdefault(cross_rank, []).append(rank)
+    nodes = [sorted(groups[c]) for c in sorted(groups)]
+    if len(rows) % local_size or [len(n) for n in nodes] != [local_size] * len(nodes) \
+            or sorted(groups) != list(range(len(nodes))):
+        raise ValueError("DGC(exchange='hierarchical'): Horovod's local and cross ranks do not "
+                         f"describe equal nodes (rank, local_rank, local_size, cross_rank, "
+                         f"cross_size: {rows}); start the job with the same number of slots on "
+                         "every host")
+    crosses = [[node[j] for node in nodes] for j in range(local_size)]
+    return nodes, crosses

@@ -1,0 +1,332 @@
+"""The hierarchical exchange (``exchange="hierarchical"``, dgc_horovod/core/hierarchical.py)
+against a NumPy transcription of its equations: M nodes of L ranks in one process, one DGCCore
+per rank. Horovod's collectives as the PyTorch adapter (dgc_horovod/torch/hierarchical.py) uses
+them: the allreduce inside a node is "every rank of the node gets the same node gradient", the
+allgather across nodes the concatenation of the M payloads of a shard in node order, the
+allgather inside the node the concatenation of the L decoded shards.
+"""
+import numpy as np
+import pytest
+
+from dgc_horovod.core import DGCConfig, DGCCore, NumpyBackend
+from dgc_horovod.core import hierarchical
+from dgc_horovod.core.stats import StatsRecorder
+from helpers import to_backend, to_np
+
+pytestmark = pytest.mark.unit
+
+F32 = np.float32
+B = NumpyBackend()
+
+
+def make_cores(M, L, **kw):
+    kw.setdefault("warmup_steps", 0)
+    kw.setdefault("compress_ratio", 0.05)
+    cfg = DGCConfig(exchange="hierarchical", environ={}, **kw)
+    return [[DGCCore(cfg, B) for _ in range(L)] for _ in range(M)]
+
+
+def node_gradient(grads, average):
+    """The node's reduction: Σ_j g_j in rank order, times 1/L under Average (float32)."""
+    total = np.zeros_like(grads[0])
+    for g in grads:
+        total += g
+    return total * F32(1.0 / len(grads)) if average else total
+
+
+def exchange(cores, grads, name="w", average=True):
+    """One step of the hierarchical exchange of one 2-D tensor (shape (rows, cols)) on M × L
+    cores; grads[c][j] the gradient rank (c, j) has. Returns (the update every rank gets, per
+    rank; the node gradients; the contexts)."""
+    M, L = len(cores), len(cores[0])
+    shape = grads[0][0].shape
+    n = int(np.prod(shape))
+    spans = hierarchical.shard_bounds(n, L)
+    G = [node_gradient([g.reshape(-1) for g in node], average) for node in grads]
+    ctxs = [[None] * L for _ in range(M)]
+    payloads = [[None] * L for _ in range(M)]
+    for c in range(M):
+        for j, (lo, hi) in enumerate(spans):
+            shard = G[c][lo:hi]
+            if not np.isfinite(G[c]).all():
+                shard = np.full_like(shard, np.nan)
+            kind, payloads[c][j], ctxs[c][j] = cores[c][j].compress(
+                name, to_backend(B, shard.reshape(1, hi - lo)), M, average=average)
+            assert kind == "sparse"
+    shards = [[None] * L for _ in range(M)]
+    for j in range(L):
+        gathered = B.cat([payloads[c][j] for c in range(M)])
+        for c in range(M):
+            shards[c][j] = to_np(cores[c][j].decompress(gathered, ctxs[c][j], M, average))
+    updates = [np.concatenate(shards[c]) for c in range(M)]
+    return updates, G, ctxs
+
+
+def grads_for(M, L, shape, seed):
+    rng = np.random.default_rng(seed)       # distinct magnitudes: no ties in any top-k
+    n = int(np.prod(shape))
+    return [[(rng.standard_normal(n) * (1 + np.arange(n) % 7)).astype(F32).reshape(shape)
+             for _ in range(L)] for _ in range(M)]
+
+
+@pytest.mark.parametrize("M,L", [(2, 2), (3, 2), (2, 4), (4, 3)])
+@pytest.mark.parametrize("average", [True, False])
+def test_update_residual_and_momentum_follow_the_equations(M, L, average):
+    shape, momentum = (7, 143), 0.9               # 1001 elements: shards of unequal sizes
+    n = 1001
+    cores = make_cores(M, L, momentum=momentum)
+    spans = hierarchical.shard_bounds(n, L)
+    u_prev = {(c, j): np.zeros(hi - lo, F32) for c in range(M) for j, (lo, hi) in
+              enumerate(spans)}
+    v_prev = {k: v.copy() for k, v in u_prev.items()}
+    for step in range(3):
+        grads = grads_for(M, L, shape, 10 * step + M + L)
+        updates, G, ctxs = exchange(cores, grads, average=average)
+        for u_ in updates[1:]:                  # every node (and so every rank) the same bits
+            assert u_.tobytes() == updates[0].tobytes()
+        want = np.zeros(n, F32)
+        for j, (lo, hi) in enumerate(spans):
+            total = np.zeros(hi - lo, F32)
+            for c in range(M):                  # rank (c, j): Algorithm 1 on G_c|S_j
+                u = momentum * u_prev[c, j] + G[c][lo:hi]
+                v = v_prev[c, j] + u
+                ctx = ctxs[c][j]
+                idx = np.asarray(to_np(ctx.indices), dtype=np.int64)
+                vals = to_np(ctx.values)
+                np.testing.assert_allclose(vals, v[idx], rtol=1e-6)
+                rest = np.delete(np.abs(v), idx)
+                assert len(idx) >= 1 and np.abs(vals).min() >= rest.max()     # a top set
+                k = max(1, int(np.ceil(cores[c][j].density * (hi - lo))))
+                assert len(idx) <= k
+                total += np.bincount(idx, weights=vals, minlength=hi - lo).astype(F32)
+                v[idx] = 0.0                    # sent: out of the residual, momentum masked
+                u[idx] = 0.0
+                st = cores[c][j].states["w"]
+                assert st.numel == hi - lo
+                np.testing.assert_allclose(to_np(st.v), v, rtol=1e-6, atol=1e-5)
+                np.testing.assert_allclose(to_np(st.u), u, rtol=1e-6, atol=1e-5)
+                u_prev[c, j], v_prev[c, j] = to_np(st.u), to_np(st.v)
+            want[lo:hi] = total / M if average else total
+        np.testing.assert_allclose(updates[0], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("M,L", [(2, 2), (3, 4)])
+def test_nothing_is_lost(M, L):
+    """Per shard: Σ_c v_(c,j)(after) + M·Δ|S_j = Σ_c v_(c,j)(before) + Σ_c G_c|S_j (momentum
+    0), so over the tensor Σ_ranks v + M·Δ = Σ_c G_c = (1/L)·Σ_ranks g summed over steps."""
+    shape, n = (16, 256), 4096
+    cores = make_cores(M, L, momentum=0.0)
+    fed = np.zeros(n, np.float64)
+    applied = np.zeros(n, np.float64)
+    for step in range(4):
+        grads = grads_for(M, L, shape, step)
+        updates, G, _ = exchange(cores, grads)
+        fed += np.sum(G, axis=0, dtype=np.float64)
+        applied += M * updates[0].astype(np.float64)
+        spans = hierarchical.shard_bounds(n, L)
+        left = np.concatenate([np.sum([to_np(cores[c][j].states["w"].v) for c in range(M)],
+                                      axis=0, dtype=np.float64) for j in range(L)])
+        np.testing.assert_allclose(left + applied, fed, rtol=1e-5, atol=1e-4)
+        # each node applied about its k per shard, not L·k: k_j per shard per node at most
+        ks = sum(max(1, int(np.ceil(cores[0][0].density * (hi - lo)))) for lo, hi in spans)
+        assert np.count_nonzero(updates[0]) <= M * ks
+
+
+def test_density_one_is_dense_momentum_sgd_on_the_global_average():
+    """ρ = 1 without masking: Δ = momentum SGD's velocity of (1/(L·M))·Σ_r g_r, Horovod's."""
+    M, L, m = 2, 3, 0.9
+    cores = make_cores(M, L, compress_ratio=1.0, momentum=m, momentum_masking=False)
+    u = np.zeros(600, np.float64)
+    for step in range(4):
+        grads = grads_for(M, L, (20, 30), step)
+        updates, _, _ = exchange(cores, grads)
+        mean = np.mean([g.reshape(-1) for node in grads for g in node], axis=0,
+                       dtype=np.float64)
+        u = m * u + mean
+        np.testing.assert_allclose(updates[0], u, rtol=2e-5, atol=2e-5)
+
+
+def test_sum_is_the_sum_over_every_rank():
+    """op=Sum: the node sums and the DGC sum over nodes give Σ_r g_r at density 1."""
+    M, L = 3, 2
+    cores = make_cores(M, L, compress_ratio=1.0, momentum=0.0)
+    grads = grads_for(M, L, (10, 10), 5)
+    updates, _, _ = exchange(cores, grads, average=False)
+    total = np.sum([g.reshape(-1) for node in grads for g in node], axis=0, dtype=np.float64)
+    np.testing.assert_allclose(updates[0], total, rtol=1e-5, atol=1e-5)
+
+
+def test_a_nonfinite_node_gradient_makes_the_whole_update_nan_and_enters_no_residual():
+    """One rank's NaN makes its node's gradient non-finite: every shard of that node is sent
+    as non-finite (nothing accumulated on its ranks), every rank's update is NaN, and the other
+    node's ranks put back what they sent: their residuals hold the step's gradient whole, as
+    a finite rank's does under the allgather exchange."""
+    M, L = 2, 2
+    cores = make_cores(M, L, momentum=0.9)
+    exchange(cores, grads_for(M, L, (8, 64), 1))
+    before = [[(to_np(k.states["w"].u).copy(), to_np(k.states["w"].v).copy()) for k in node]
+              for node in cores]
+    grads = grads_for(M, L, (8, 64), 2)
+    grads[1][0][3, 5] = np.nan                  # one rank, one element, one shard
+    updates, G, _ = exchange(cores, grads)
+    for u_ in updates:
+        assert np.isnan(u_).all()
+    for j, (k, (u, v)) in enumerate(zip(cores[1], before[1])):     # the NaN node: untouched
+        np.testing.assert_array_equal(to_np(k.states["w"].u), u)
+        np.testing.assert_array_equal(to_np(k.states["w"].v), v)
+    for j, (k, (u, v)) in enumerate(zip(cores[0], before[0])):     # the other: all kept
+        lo, hi = hierarchical.shard_bounds(512, L)[j]
+        u = F32(0.9) * u + G[0][lo:hi]
+        np.testing.assert_allclose(to_np(k.states["w"].u), u, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(to_np(k.states["w"].v), v + u, rtol=1e-6, atol=1e-5)
+    assert sum(k.step_stats.nonfinite_tensors for k in cores[1]) == L
+
+
+def test_warmup_density_applies_to_every_shard():
+    cores = make_cores(2, 2, warmup_steps=4, warmup_initial_density=0.25, compress_ratio=0.01)
+    counts = []
+    for step in range(5):
+        _, _, ctxs = exchange(cores, grads_for(2, 2, (10, 100), step))
+        counts.append(sum(len(to_np(c.indices)) for node in ctxs for c in node))
+    assert counts[0] > counts[-1] and counts == sorted(counts, reverse=True)
+    assert cores[0][0].density == pytest.approx(0.01)
+
+
+# ------------------------------------------------------------------ the pieces
+def test_shards_cover_the_tensor():
+    for n, L in [(10, 3), (1001, 4), (8, 8), (5, 2)]:
+        spans = hierarchical.shard_bounds(n, L)
+        assert spans[0][0] == 0 and spans[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert max(h - l for l, h in spans) - min(h - l for l, h in spans) <= 1
+
+
+def test_is_sharded_needs_every_shard_sparsified():
+    cfg = DGCConfig(environ={}, exchange="hierarchical", min_sparse_numel=100)
+    assert hierarchical.is_sharded(400, 2, 4, cfg)
+    assert not hierarchical.is_sharded(399, 2, 4, cfg)      # a shard of 99
+    assert not hierarchical.is_sharded(4000, 1, 4, cfg)     # a bias
+    assert not hierarchical.is_sharded(3, 2, 4, DGCConfig(environ={}))   # an empty shard
+
+
+def test_node_layout_from_horovods_ranks():
+    # horovodrun's placement: 2 nodes of 2
+    rows = [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 2, 1, 2), (3, 1, 2, 1, 2)]
+    assert hierarchical.node_layout(rows) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    # round-robin placement (mpirun --map-by node): node 0 holds ranks 0, 2, 4
+    rows = [(r, r // 2, 3, r % 2, 3) for r in range(6)]
+    assert hierarchical.node_layout(rows) == ([[0, 2, 4], [1, 3, 5]], [[0, 1], [2, 3], [4, 5]])
+    # one rank per node: the cross set is every rank
+    assert hierarchical.node_layout([(r, 0, 1, r, 3) for r in range(3)]) == \
+        ([[0], [1], [2]], [[0, 1, 2]])
+
+
+def test_nodes_of_different_sizes_are_refused_naming_them():
+    rows = [(0, 0, 2, 0, 2), (1, 1, 2, 0, 1), (2, 0, 1, 1, 2)]
+    with pytest.raises(ValueError, match=r"same number of ranks.*ranks \[2\] on nodes of 1; "
+                                         r"ranks \[0, 1\] on nodes of 2"):
+        hierarchical.node_layout(rows)
+    with pytest.raises(ValueError, match="do not describe equal nodes"):
+        hierarchical.node_layout([(0, 0, 2, 0, 1), (1, 1, 2, 0, 1), (2, 0, 2, 0, 1),
+                                  (3, 1, 2, 0, 1)])
+
+
+def test_exchange_option_and_what_it_refuses():
+    assert DGCConfig(environ={"HOROVOD_DGC_EXCHANGE": "Hierarchical"}).exchange == "hierarchical"
+    with pytest.raises(ValueError, match="clip_norm must be None with exchange='hierarchical'"):
+        DGCConfig(exchange="hierarchical", clip_norm=1.0, environ={})
+
+
+def test_statistics_inside_and_across_nodes():
+    rec = StatsRecorder()
+    rec.count_hierarchical(node=(400, 400), cross=(40, 0))
+    rec.count_hierarchical(cross=(0, 120))
+    rec.count_hierarchical(node=(200, 200))
+    for s in (rec.step, rec.total):
+        assert (s.node_bytes, s.node_received_bytes) == (600, 600)
+        assert (s.cross_node_bytes, s.cross_node_received_bytes) == (40, 120)
+        # the payload sent across was counted by compress: not again in wire_bytes
+        assert (s.wire_bytes, s.received_bytes) == (600, 720)
+
+
+# ------------------------------------------------------------------ the simulated cluster
+def _mlp(seed=0):
+    import torch
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+
+
+def _simulate(config, world, local_size, steps, momentum=0.0, nan_at=None, seed=0):
+    """Train the MLP ``steps`` steps on ``world`` simulated workers; returns (model, cluster,
+    losses of worker 0, [whether every gradient was finite, per step])."""
+    import torch
+    from dgc_horovod.simulate import SimulatedCluster
+    model = _mlp(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    cluster = SimulatedCluster(model, opt, world, config, local_size=local_size)
+    g = torch.Generator().manual_seed(7)
+    teacher = torch.randn(32, 5, generator=g)
+    losses, finite = [], []
+    for step in range(steps):
+        xs = [torch.randn(16, 32, generator=g) for _ in range(world)]
+
+        def closure(k, x=None):
+            x = xs[k]
+            loss = torch.nn.functional.cross_entropy(model(x), (x @ teacher).argmax(1))
+            return loss * float("nan") if (step, k) == nan_at else loss
+        losses.append(cluster.backward([lambda k=k: closure(k) for k in range(world)])[0])
+        ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        finite.append(ok)
+        if ok:
+            opt.step()
+    return model, cluster, losses, finite
+
+
+def test_simulated_cluster_at_density_one_is_dense_momentum_sgd():
+    """4 workers as 2 nodes of 2 at ρ = 1 without masking: the dense cluster's momentum SGD."""
+    import torch
+    cfg = DGCConfig(exchange="hierarchical", compress_ratio=1.0, warmup_steps=0,
+                    momentum=0.9, momentum_masking=False, environ={})
+    hier, cluster, _, _ = _simulate(cfg, 4, 2, 5)
+    dense, _, _, _ = _simulate(None, 4, 1, 5, momentum=0.9)
+    for a, b in zip(hier.parameters(), dense.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the weights are sharded: each worker holds half of each, the biases whole
+    states = cluster.cores[0].states
+    assert states["0.weight"].numel == 32 * 64 // 2 and states["0.weight"].sparse
+    assert states["0.bias"].numel == 64 and not states["0.bias"].sparse
+
+
+def test_simulated_cluster_trains_and_counts_both_networks():
+    cfg = DGCConfig(exchange="hierarchical", compress_ratio=0.05, warmup_steps=0, environ={})
+    _, cluster, losses, finite = _simulate(cfg, 6, 3, 40)
+    assert all(finite) and losses[-1] < 0.7 * losses[0]
+    for core in cluster.cores:
+        st = core.step_stats
+        # two other nodes' payloads of this worker's shard, about as large as its own
+        assert 0 < st.cross_node_bytes and 0 < st.cross_node_received_bytes
+        assert st.cross_node_received_bytes <= 3 * 2 * st.cross_node_bytes
+        # inside the node: the reduction each way, then its shard out and the two others in
+        assert st.node_received_bytes > st.node_bytes > st.cross_node_bytes
+
+
+def test_simulated_cluster_nonfinite_worker_skips_the_step_and_poisons_no_state():
+    import torch
+    cfg = DGCConfig(exchange="hierarchical", compress_ratio=0.05, warmup_steps=0, environ={})
+    model, cluster, _, finite = _simulate(cfg, 4, 2, 4, nan_at=(2, 3))
+    assert finite == [True, True, False, True]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for core in cluster.cores:
+        for st in core.states.values():
+            assert all(t is None or bool(torch.isfinite(t).all()) for t in (st.u, st.v))
+
+
+def test_simulated_cluster_local_size_is_checked():
+    import torch
+    from dgc_horovod.simulate import SimulatedCluster
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hier = DGCConfig(exchange="hierarchical", environ={})
+    for bad, cfg in [(3, hier), (0, hier), (2, DGCConfig(environ={})), (2, None)]:
+        with pytest.raises(ValueError, match="local_size must be an int >= 1 that divides"):
+            SimulatedCluster(model, opt, 4, cfg, local_size=bad)

@@ -1,0 +1,185 @@
+"""Runs under `horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo` (2 nodes of 2 ranks as
+Horovod sees them): DGC(exchange="hierarchical") with the stock horovod.torch.DistributedOptimizer.
+
+``--mode train`` (Horovod with dynamic process sets) records what tests/test_torch_hierarchical.py
+asserts on; rank 0 writes it as JSON to --out. ``--mode static`` starts Horovod without dynamic
+process sets, ``--mode given`` with the 2 × 2 job's four process sets passed to ``hvd.init``, and
+``--mode plain`` (dynamic) is for any layout (e.g. unequal nodes), ``--mode mismatch`` has rank 0
+alone on the hierarchical exchange: each trains two steps and records the error DGC raised, if
+any.
+"""
+import argparse
+import json
+import sys
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+from dgc_horovod.torch import DGC
+from torch_worker import (flat_params, scenario_fp16_overflow, identical_across_ranks, make,
+                          nonfinite_facts, train, train_with_nan)
+
+SETTINGS = dict(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=512)
+
+
+def teacher_batches(steps, seed):
+    """A learnable task: labels from a fixed random linear teacher of the inputs."""
+    w = torch.randn(64, 10, generator=torch.Generator().manual_seed(4321))
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=g)
+        out.append((x, (x @ w).argmax(1)))
+    return out
+
+
+def train_teacher(model, opt, steps, seed):
+    for x, y in teacher_batches(steps, seed):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def loss_of(model):
+    """The loss on 8 fixed batches of the teacher's task, the same on every rank."""
+    with torch.no_grad():
+        return sum(float(F.cross_entropy(model(x), y))
+                   for x, y in teacher_batches(8, 999)) / 8
+
+
+def payload_bytes(dgc):
+    """The last step's bytes this rank put into DGC's allgather (wire_bytes less what Horovod's
+    allreduce carried: a placeholder per sparsified tensor, the velocity of a dense one, and
+    the hierarchical exchange's traffic inside the node)."""
+    st = dgc.stats
+    allreduce = sum(4 if s.sparse else 4 * s.numel for s in dgc.states.values())
+    return st.wire_bytes - allreduce - st.node_bytes
+
+
+def across_nodes(value):
+    """Σ over the ranks of the other nodes of ``value`` (per rank), for this rank."""
+    rows = hvd.allgather(torch.tensor([[hvd.cross_rank(), hvd.local_rank(), value]],
+                                      dtype=torch.int64), name="check.across").tolist()
+    return sum(v for c, _, v in rows if c != hvd.cross_rank())
+
+
+def node_sum(value):
+    rows = hvd.allgather(torch.tensor([[hvd.cross_rank(), value]], dtype=torch.int64),
+                         name="check.node").tolist()
+    return sum(v for c, v in rows if c == hvd.cross_rank())
+
+
+def scenario_train(results):
+    out = {}
+    for exchange in ("hierarchical", "allgather"):
+        dgc = DGC(exchange=exchange, **SETTINGS)
+        model, opt = make(f"tr.{exchange}", dgc)
+        before = flat_params(model).clone()
+        loss0 = loss_of(model)
+        train_teacher(model, opt, 60, 100 + hvd.rank())
+        st = dgc.stats
+        facts = {"identical": identical_across_ranks(model),
+                 "changed": bool((flat_params(model) != before).any()),
+                 "finite": bool(torch.isfinite(flat_params(model)).all()),
+                 "loss": [loss0, loss_of(model)], "steps": dgc.total_stats.steps,
+                 "sparse": sorted((n, s.numel) for n, s in dgc.states.items() if s.sparse),
+                 "stats": st.to_dict()}
+        if exchange == "hierarchical":
+            received = st.cross_node_received_bytes
+            facts["payload_bytes"] = payload_bytes(dgc)
+        else:   # what this rank received from the ranks of the other node
+            received = across_nodes(payload_bytes(dgc))
+        facts["node_cross_received"] = node_sum(received)
+        out[exchange] = facts
+    results["train"] = out
+
+
+def scenario_dense(results):
+    """Density 1 without warm-up: the update is the global average, as Horovod's dense
+    allreduce with momentum SGD gives."""
+    dgc = DGC(exchange="hierarchical", **dict(SETTINGS, compress_ratio=1.0,
+                                              momentum_masking=False))
+    model, opt = make("eq.dgc", dgc)
+    ref, ropt = make("eq.ref", hvd.Compression.none, momentum=0.9)
+    train(model, opt, steps=8, aux_every=1)
+    train(ref, ropt, steps=8, aux_every=1)
+    results["dense_max_diff"] = float((flat_params(model) - flat_params(ref)).abs().max())
+
+
+def scenario_nonfinite(results):
+    """Rank 1's loss is NaN at step 3: the update is NaN everywhere, no state is poisoned."""
+    dgc = DGC(exchange="hierarchical", **SETTINGS)
+    model, opt = make("nf", dgc)
+    seen = train_with_nan(model, opt)
+    results["nonfinite"] = nonfinite_facts(dgc, model, seen)
+
+
+def scenario_checkpoint(results):
+    """state_dict holds this rank's shards and the layout; another layout is refused; the same
+    layout loads and training goes on bit-identically."""
+    dgc = DGC(exchange="hierarchical", **SETTINGS)
+    model, opt = make("ck", dgc)
+    train(model, opt, steps=4)
+    sd = dgc.state_dict()
+    out = {"layout": sd["layout"],
+           "numels": {n: t["numel"] for n, t in sd["tensors"].items() if t["sparse"]}}
+    other = DGC(exchange="hierarchical", **SETTINGS)
+    try:
+        other.load_state_dict(dict(sd, layout=dict(sd["layout"], local_size=4, nodes=1)))
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    other.load_state_dict(sd)
+    twin, topt = make("ck", other)
+    twin.load_state_dict(model.state_dict())
+    train(model, opt, steps=3, data_seed=7 + hvd.rank())
+    train(twin, topt, steps=3, data_seed=7 + hvd.rank())
+    out["resumed_equal"] = bool((flat_params(model) == flat_params(twin)).all())
+    results["checkpoint"] = out
+
+
+def one_step(results, exchange="hierarchical"):
+    dgc = DGC(exchange=exchange, **SETTINGS)
+    model, opt = make("one", dgc)
+    try:
+        before = flat_params(model).clone()
+        train(model, opt, steps=2)
+        results["error"] = None
+        results["identical"] = identical_across_ranks(model)
+        results["changed"] = bool((flat_params(model) != before).any())
+    except ValueError as e:
+        results["error"] = str(e)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--mode", choices=("train", "static", "given", "plain", "mismatch"),
+                    default="train")
+    args = ap.parse_args()
+    if args.mode == "given":        # the node sets and the sets across nodes of 2 × 2 ranks
+        hvd.init(process_sets=[hvd.ProcessSet(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])])
+    else:
+        hvd.init(process_sets="dynamic" if args.mode != "static" else None)
+    torch.set_num_threads(1)
+    results = {"size": hvd.size(), "local_size": hvd.local_size(),
+               "cross_size": hvd.cross_size()}
+    if args.mode == "train":
+        for scenario in (scenario_train, scenario_dense, scenario_nonfinite, scenario_checkpoint):
+            scenario(results)
+        # float16 values that overflow in one shard: the whole update is non-finite everywhere
+        scenario_fp16_overflow(results, "fp16", exchange="hierarchical", min_sparse_numel=512)
+    else:
+        one_step(results, "allgather" if args.mode == "mismatch" and hvd.rank() else
+                 "hierarchical")
+        errors = hvd.allgather_object(results["error"], name="check.errors")
+        results["errors"] = errors
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
