@@ -376,13 +376,17 @@ class DGCCore:
                              f"created for {st.numel}")
         return st
 
+    def check_floating(self, name, grad):
+        """A TypeError naming ``name`` unless ``grad`` is a floating-point tensor."""
+        if not self.B.is_floating(grad):
+            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
+                            f"got dtype {getattr(grad, 'dtype', type(grad))}")
+
     def _check_args(self, name, grad, param):
         """The argument checks of :meth:`compress` that need no state: dtype, a parameter when
         weight decay needs it, and after a load, a loaded state (:meth:`check_fit`)."""
         self._fit.check_name(name)
-        if not self.B.is_floating(grad):
-            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
-                            f"got dtype {getattr(grad, 'dtype', type(grad))}")
+        self.check_floating(name, grad)
         if self.needs_param:
             if param is None:
                 raise ValueError(f"DGC: weight_decay={self.config.weight_decay} needs the "

@@ -43,7 +43,7 @@ from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
 from dgc_horovod.torch import elastic, loss_scale
 from dgc_horovod.torch.exchange import Exchange, Pending
-from dgc_horovod.torch.hierarchical import Hierarchical, HierarchicalPending, current_layout
+from dgc_horovod.torch.hierarchical import Hierarchical, HierarchicalPending
 from dgc_horovod.torch.params import (OptimizerChecks, check_one_synchronize, find_parameter,
                                       undo_refused_step)
 
@@ -170,9 +170,7 @@ class DGC(DGCAdapter, Compressor):
         tensor's node reduction starts; any other goes through Horovod's allreduce as its
         velocity, as under every exchange (with N = the number of nodes)."""
         hier, core = self._hier, self._core
-        if not tensor.is_floating_point():
-            raise TypeError(f"DGC: the gradient of {name!r} must be a floating-point tensor, "
-                            f"got dtype {tensor.dtype}")
+        core.check_floating(name, tensor)
         if hier.sharded(tensor):
             ctx = hier.start(name, tensor, param, average)
             self._exchange.hold()
@@ -190,8 +188,7 @@ class DGC(DGCAdapter, Compressor):
     def state_dict(self, process_set=None):
         sd = super().state_dict(process_set)
         if self._hier is not None:          # the shards' layout, which load_state_dict checks
-            lay = self._hier.layout
-            sd["layout"] = lay.to_dict() if lay is not None else current_layout()
+            sd["layout"] = self._hier.layout_dict()
         return sd
 
     state_dict.__doc__ = DGCAdapter.state_dict.__doc__ + (
@@ -200,8 +197,7 @@ class DGC(DGCAdapter, Compressor):
 
     def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
         if self._hier is not None and not reset_residuals and isinstance(state_dict, dict):
-            lay = self._hier.layout
-            now = lay.to_dict() if lay is not None else current_layout()
+            now = self._hier.layout_dict()
             saved = state_dict.get("layout")
             if saved != now:
                 raise ValueError(

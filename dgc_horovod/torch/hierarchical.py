@@ -148,6 +148,11 @@ class Hierarchical:
         self._crossing = []         # flights whose allgather across nodes has not been advanced
         self._lock = threading.Lock()
 
+    def layout_dict(self):
+        """The layout a checkpoint records (:meth:`Layout.to_dict`; before the first step,
+        Horovod's view of it: :func:`current_layout`)."""
+        return self.layout.to_dict() if self.layout is not None else current_layout()
+
     def setup(self, opt):
         if self.layout is None:
             self.layout = make_layout(opt.process_set)
