@@ -215,7 +215,7 @@ class SimulatedCluster:
         cores = [self.cores[c * L:(c + 1) * L] for c in range(M)]
         out, dense = {}, {}
         for name, p in self.params:
-            n, shape = p.numel(), p.shape
+            n = p.numel()
             if not hierarchical.is_sharded(n, p.dim(), L, self.config):
                 flat = hierarchical.dense_flat(name, n, p.dim(), L, self.config)
                 dense[name] = [core.compress(name, g[name].reshape(-1) if flat else g[name], M,
@@ -242,8 +242,7 @@ class SimulatedCluster:
                     core = cores[c][j]
                     _, payloads[c][j], ctxs[c][j] = core.compress(
                         name, shard.view(view), M, w[lo:hi].view(view), avg)
-                    reduced = 4 * n if L > 1 else 0
-                    core.count_hierarchical(node=(reduced, reduced),
+                    core.count_hierarchical(node=hierarchical.node_bytes(n, L),
                                             cross=(4 * B.numel(payloads[c][j]), 0))
             shards, finite = [], []
             for j, (lo, hi) in enumerate(spans):
@@ -256,8 +255,7 @@ class SimulatedCluster:
                     res = core.finish_update(name, core.decompress(gathered, ctxs[c][j], M,
                                                                    avg), w[lo:hi])
                     upd = res if upd is None else upd
-                    if L > 1:
-                        core.count_hierarchical(node=(4 * (hi - lo), 4 * (n - (hi - lo))))
+                    core.count_hierarchical(node=hierarchical.shards_bytes(n, hi - lo, L))
                 shards.append(upd)
                 finite.append(B.all_finite(upd))
             full = torch.cat(shards)

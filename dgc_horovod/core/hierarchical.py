@@ -48,10 +48,24 @@ by itself, ``bucket_numel`` is not used), TensorFlow.
 from dgc_horovod.core.regions import bounds
 from dgc_horovod.core.sparsify import is_sparse
 
-__all__ = ["shard_bounds", "is_sharded", "dense_flat", "node_layout", "LAYOUT_FIELDS"]
+__all__ = ["shard_bounds", "is_sharded", "dense_flat", "node_layout", "node_bytes",
+           "shards_bytes", "LAYOUT_FIELDS"]
 
 #: What each rank contributes to :func:`node_layout`: Horovod's own view of where it runs.
 LAYOUT_FIELDS = ("rank", "local_rank", "local_size", "cross_rank", "cross_size")
+
+
+def node_bytes(numel, local_size):
+    """(sent, received) bytes of step 1, the node's allreduce of a tensor of ``numel`` float32
+    elements, as Horovod's allreduce is counted: its size each way; nothing with one rank per
+    node (no collective crosses a link)."""
+    return (4 * numel, 4 * numel) if local_size > 1 else (0, 0)
+
+
+def shards_bytes(numel, shard, local_size):
+    """(sent, received) bytes of step 4, the allgather inside the node: this rank's ``shard``
+    elements out, the rest of the tensor's ``numel`` in; nothing with one rank per node."""
+    return (4 * shard, 4 * (numel - shard)) if local_size > 1 else (0, 0)
 
 
 def shard_bounds(numel, local_size):

@@ -206,8 +206,8 @@ class Hierarchical:
                                              f.average)
         if kind != "sparse":
             raise RuntimeError(f"DGC: the shard of {f.name!r} was compressed as a dense tensor")
-        reduced = 4 * n if lay.local_size > 1 else 0
-        core.count_hierarchical(node=(reduced, reduced), cross=(4 * payload.numel(), 0))
+        core.count_hierarchical(node=hierarchical.node_bytes(n, lay.local_size),
+                                cross=(4 * payload.numel(), 0))
         f.words = payload.numel()
         f.cross = hvd.allgather_async(payload, name="dgc.cross." + f.name,
                                       process_set=lay.cross)
@@ -250,9 +250,8 @@ class Hierarchical:
         full = _wait(f.shards)
         f.shards = None
         core = self._core
-        words = f.update.numel()
-        if self.layout.local_size > 1:
-            core.count_hierarchical(node=(4 * words, 4 * (full.numel() - words)))
+        core.count_hierarchical(node=hierarchical.shards_bytes(
+            full.numel(), f.update.numel(), self.layout.local_size))
         if not core.B.all_finite(full):
             if core.B.all_finite(f.update):     # another shard was: the tensor is skipped
                 core.discard_sent(f.ctx)
