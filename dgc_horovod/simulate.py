@@ -33,7 +33,10 @@ concatenated (the allgather) and decoded; the frames' bytes are counted, not bui
 (:mod:`dgc_horovod.torch.hierarchical`) runs it: each node's gradient summed in rank order
 (× 1/L for Average), worker (c, j) compresses shard j of it with N = M, the M payloads of a shard
 concatenated in node order and decoded, the shards joined; the other tensors' velocities
-averaged over all N workers (Horovod's allreduce).
+averaged over all N workers (Horovod's allreduce). With clipping every node's factor s_c comes
+first, from its workers' parts of the node's squared norm (``hierarchical.clip_part`` in plan
+order, summed in shard order by ``core.clip_scale_of_squares`` with N = M), and every worker of
+node c compresses with it.
 """
 import torch
 
@@ -208,40 +211,79 @@ class SimulatedCluster:
                                         byname[n], wd)
         return out
 
+    def _node_gradients(self, grads, name):
+        """[G_c for each node c]: the node's reduction of ``name``'s gradients, flat float32,
+        summed in rank order (× 1/L for Average), as Horovod's allreduce inside a node."""
+        L = self.local_size
+        nodes = []
+        for c in range(self.world_size // L):
+            G = grads[c * L][name].reshape(-1).to(torch.float32, copy=True)
+            for j in range(1, L):
+                G += grads[c * L + j][name].reshape(-1)
+            if self.average and L > 1:
+                G.mul_(1.0 / L)
+            nodes.append(G)
+        return nodes
+
+    def _shard(self, G, lo, hi):
+        """Shard [lo, hi) of a node gradient, all NaN when G has a NaN/Inf anywhere."""
+        return G[lo:hi] if self.B.all_finite(G) else torch.full((hi - lo,), float("nan"))
+
+    def _hier_scales(self, grads, sharded):
+        """With clipping, [s_c for each node c] (the core module's equations: each worker's part
+        of its node's squared norm, the L parts summed in shard order); [None] * M otherwise."""
+        L, M = self.local_size, self.world_size // self.local_size
+        if not self.cores[0].needs_clip_scale:
+            return [None] * M
+        G = {name: self._node_gradients(grads, name) for name, _ in self.params}
+        scales = []
+        for c in range(M):
+            parts = []
+            for j in range(L):
+                shards = []
+                for name, p in self.params:
+                    if sharded[name]:
+                        lo, hi = hierarchical.shard_bounds(p.numel(), L)[j]
+                        shards.append(self._shard(G[name][c], lo, hi))
+                parts.append(hierarchical.clip_part(
+                    self.B, shards, [G[n][c] for n, _ in self.params if not sharded[n]], j))
+            scales.append(self.cores[c * L].clip_scale_of_squares(parts, M, self.average))
+        return scales
+
     def _hier_reduce(self, grads):
         """``exchange="hierarchical"`` (see the module docstring): {name: the update}."""
         N, L, B, avg = self.world_size, self.local_size, self.B, self.average
         M = N // L
         cores = [self.cores[c * L:(c + 1) * L] for c in range(M)]
+        sharded = {name: hierarchical.is_sharded(p.numel(), p.dim(), L, self.config)
+                   for name, p in self.params}
+        scales = self._hier_scales(grads, sharded)
+        clip = scales[0] is not None
         out, dense = {}, {}
         for name, p in self.params:
             n = p.numel()
-            if not hierarchical.is_sharded(n, p.dim(), L, self.config):
+            if not sharded[name]:
                 flat = hierarchical.dense_flat(name, n, p.dim(), L, self.config)
                 dense[name] = [core.compress(name, g[name].reshape(-1) if flat else g[name], M,
-                                             p.detach(), avg)[1]
-                               for core, g in zip(self.cores, grads)]
+                                             p.detach(), avg, scales[k // L])[1]
+                               for k, (core, g) in enumerate(zip(self.cores, grads))]
+                if clip:                # reduced inside the node for the norm; a placeholder
+                    for core in self.cores:
+                        core.count_hierarchical(node=hierarchical.node_bytes(n, L))
+                        core.add_wire_bytes(PLACEHOLDER_BYTES, received=PLACEHOLDER_BYTES)
                 continue
             spans = hierarchical.shard_bounds(n, L)
-            nodes = []
-            for c in range(M):                  # the node's reduction, in rank order
-                G = grads[c * L][name].reshape(-1).to(torch.float32, copy=True)
-                for j in range(1, L):
-                    G += grads[c * L + j][name].reshape(-1)
-                if avg and L > 1:
-                    G.mul_(1.0 / L)
-                nodes.append(G)
+            nodes = self._node_gradients(grads, name)
             payloads = [[None] * L for _ in range(M)]
             ctxs = [[None] * L for _ in range(M)]
             w = p.detach().reshape(-1)
             for c, G in enumerate(nodes):
-                finite = B.all_finite(G)
                 for j, (lo, hi) in enumerate(spans):
                     view = (1,) * (p.dim() - 1) + (hi - lo,)
-                    shard = G[lo:hi] if finite else torch.full((hi - lo,), float("nan"))
                     core = cores[c][j]
                     _, payloads[c][j], ctxs[c][j] = core.compress(
-                        name, shard.view(view), M, w[lo:hi].view(view), avg)
+                        name, self._shard(G, lo, hi).view(view), M, w[lo:hi].view(view), avg,
+                        scales[c])
                     core.count_hierarchical(node=hierarchical.node_bytes(n, L),
                                             cross=(4 * B.numel(payloads[c][j]), 0))
             shards, finite = [], []
@@ -266,6 +308,9 @@ class SimulatedCluster:
                             cores[c][j].discard_sent(ctxs[c][j])
                 full.fill_(float("nan"))
             out[name] = full
+        if clip:                        # the allgather of the clipping parts
+            for core in self.cores:
+                core.count_hierarchical(node=hierarchical.clip_bytes(L))
         byname = dict(self.params)
         wd = self.cores[0].separate_weight_decay
         for name, vs in dense.items():

@@ -192,6 +192,135 @@ def test_warmup_density_applies_to_every_shard():
     assert cores[0][0].density == pytest.approx(0.01)
 
 
+# ------------------------------------------------------------------ clipping
+def np_node_scale(shards, others, C, M, average):
+    """The module docstring's s_c in NumPy: q_(c,j) = Σ ‖G_c^t|S_j‖² (+ Σ ‖G_c^t‖² of the
+    tensors that are not sharded, on j = 0), finite tensors only; ‖G_c‖ = sqrt(Σ_j q_(c,j));
+    s_c = min(1, T / (‖G_c‖ + 1e-6)) with T = C·√M (Average) or C/√M (Sum)."""
+    def sq(x):
+        return float(np.linalg.norm(x.astype(np.float64))) ** 2 if np.isfinite(x).all() else 0.0
+    q = [sum(sq(x) for x in node_shards) + (sum(sq(x) for x in others) if j == 0 else 0.0)
+         for j, node_shards in enumerate(shards)]
+    T = C * np.sqrt(M) if average else C / np.sqrt(M)
+    return min(1.0, T / (np.sqrt(sum(q)) + 1e-6))
+
+
+def clipped_step(cores, grads, bias, C, average=True):
+    """One step of the hierarchical exchange with clipping on M × L cores: a sharded 2-D tensor
+    "w" (grads[c][j]) and a 1-D tensor "b" that is not sharded (bias[c][j]), as the PyTorch
+    adapter runs it. Returns (the update of w, of b; the node gradients of w, of b; the
+    factors; the shards as compressed)."""
+    M, L = len(cores), len(cores[0])
+    n = grads[0][0].size
+    spans = hierarchical.shard_bounds(n, L)
+    G = [node_gradient([g.reshape(-1) for g in node], average) for node in grads]
+    Gb = [node_gradient(node, average) for node in bias]
+    shards = [[G[c][lo:hi] if np.isfinite(G[c]).all() else np.full(hi - lo, np.nan, F32)
+               for lo, hi in spans] for c in range(M)]
+    scales = []
+    for c in range(M):
+        parts = [hierarchical.clip_part(B, [to_backend(B, shards[c][j])], [to_backend(B, Gb[c])],
+                                        j) for j in range(L)]
+        mine = {cores[c][j].clip_scale_of_squares(parts, M, average) for j in range(L)}
+        assert len(mine) == 1                   # every rank of the node: the same bits
+        scales.append(mine.pop())
+    payloads = [[None] * L for _ in range(M)]
+    ctxs = [[None] * L for _ in range(M)]
+    velocities = []
+    for c in range(M):
+        for j, (lo, hi) in enumerate(spans):
+            core = cores[c][j]
+            _, vel, _ = core.compress("b", to_backend(B, bias[c][j]), M, average=average,
+                                      clip_scale=scales[c])
+            velocities.append(to_np(vel))
+            kind, payloads[c][j], ctxs[c][j] = core.compress(
+                "w", to_backend(B, shards[c][j].reshape(1, hi - lo)), M, average=average,
+                clip_scale=scales[c])
+            assert kind == "sparse"
+    upd = np.zeros(n, F32)
+    for j, (lo, hi) in enumerate(spans):
+        gathered = B.cat([payloads[c][j] for c in range(M)])
+        upd[lo:hi] = to_np(cores[0][j].decompress(gathered, ctxs[0][j], M, average))
+        for c in range(1, M):
+            cores[c][j].decompress(gathered, ctxs[c][j], M, average)
+    ub = np.sum(velocities, axis=0, dtype=F32)          # Horovod's allreduce over L·M ranks
+    return upd, (ub / (M * L) if average else ub), G, Gb, scales, shards
+
+
+@pytest.mark.parametrize("M,L", [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("average", [True, False])
+def test_clipping_uses_the_nodes_norm_and_N_equals_M(M, L, average):
+    """Local clipping (§3.2) with the nodes as the workers: s_c from the norm of the node's
+    gradient G_c over every tensor, at C·√M (Average) or C/√M (Sum); rank (c, j) accumulates
+    s_c·G_c|S_j, the tensor that is not sharded s_c·g_(c,j); nothing else."""
+    shape, m, C = (7, 143), 0.9, 0.5
+    n = 1001
+    cores = make_cores(M, L, momentum=m, clip_norm=C, compress_ratio=0.1)
+    spans = hierarchical.shard_bounds(n, L)
+    u = {(c, j): np.zeros(hi - lo, F32) for c in range(M) for j, (lo, hi) in enumerate(spans)}
+    v = {k: x.copy() for k, x in u.items()}
+    ub = {(c, j): np.zeros(13, F32) for c in range(M) for j in range(L)}
+    rng = np.random.default_rng(M * 10 + L)
+    for step in range(3):
+        grads = grads_for(M, L, shape, 100 * step + M + L)
+        bias = [[rng.standard_normal(13).astype(F32) * 3 for _ in range(L)] for _ in range(M)]
+        upd, upd_b, G, Gb, scales, shards = clipped_step(cores, grads, bias, C, average)
+        want_b = np.zeros(13, np.float64)
+        for c in range(M):
+            s = np_node_scale(shards[c], [Gb[c]], C, M, average)
+            assert scales[c] == pytest.approx(s, rel=1e-6)
+            assert s < 0.5                      # it clips, and N = M, not L·M or 1, sets it
+            for wrong in (M * L, 1):
+                assert abs(np_node_scale(shards[c], [Gb[c]], C, wrong, average) - s) > 0.05 * s
+            for j, (lo, hi) in enumerate(spans):
+                u[c, j] = F32(m) * u[c, j] + F32(scales[c]) * G[c][lo:hi]
+                v[c, j] = v[c, j] + u[c, j]
+                idx = np.asarray(to_np(cores[c][j].states["w"].v) == 0).nonzero()[0]
+                v[c, j][idx] = 0.0
+                u[c, j][idx] = 0.0
+                np.testing.assert_allclose(to_np(cores[c][j].states["w"].v), v[c, j],
+                                           rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(to_np(cores[c][j].states["w"].u), u[c, j],
+                                           rtol=1e-5, atol=1e-5)
+                ub[c, j] = F32(m) * ub[c, j] + F32(scales[c]) * bias[c][j]
+                want_b += ub[c, j]
+        want_b = want_b / (M * L) if average else want_b
+        np.testing.assert_allclose(upd_b, want_b, rtol=1e-5, atol=1e-6)
+        assert np.isfinite(upd).all() and np.count_nonzero(upd) > 0
+
+
+def test_clipping_leaves_a_nonfinite_tensor_out_of_the_norm_and_out_of_the_residuals():
+    """A NaN in one rank's gradient of w: its node's G_c^w is left out of the node's norm on
+    every rank of the node (the factor comes from b alone), w's update is NaN, no residual
+    takes a NaN, and b is still clipped with that factor."""
+    M, L, C = 2, 2, 0.5
+    cores = make_cores(M, L, momentum=0.9, clip_norm=C)
+    rng = np.random.default_rng(3)
+    bias = [[rng.standard_normal(13).astype(F32) * 3 for _ in range(L)] for _ in range(M)]
+    grads = grads_for(M, L, (8, 64), 4)
+    grads[1][1][2, 7] = np.nan
+    upd, upd_b, G, Gb, scales, shards = clipped_step(cores, grads, bias, C)
+    assert np.isnan(upd).all() and np.isfinite(upd_b).all()
+    only_b = min(1.0, C * np.sqrt(M) / (float(np.linalg.norm(Gb[1].astype(np.float64))) + 1e-6))
+    assert scales[1] == pytest.approx(only_b, rel=1e-6)
+    assert scales[0] == pytest.approx(np_node_scale(shards[0], [Gb[0]], C, M, True), rel=1e-6)
+    for node in cores:
+        for core in node:
+            for st in core.states.values():
+                assert all(t is None or np.isfinite(to_np(t)).all() for t in (st.u, st.v))
+
+
+def test_clip_parts_overflow_and_bytes():
+    """A finite tensor whose float32 norm overflows makes the node's factor 0, as the flat rule
+    does (a float64 part of inf); the parts' allgather moves one float64 per rank."""
+    core = make_cores(1, 1, clip_norm=1.0)[0][0]
+    huge = to_backend(B, np.full(4, 3e38, F32))
+    parts = [hierarchical.clip_part(B, [huge], [], 0), 1.0]
+    assert parts[0] == float("inf") and core.clip_scale_of_squares(parts, 2) == 0.0
+    assert core.clip_scale_of_squares([1.0, 3.0], 4) == pytest.approx(2.0 / (2.0 + 1e-6))
+    assert hierarchical.clip_bytes(4) == (8, 24) and hierarchical.clip_bytes(1) == (0, 0)
+
+
 # ------------------------------------------------------------------ the pieces
 def test_shards_cover_the_tensor():
     for n, L in [(10, 3), (1001, 4), (8, 8), (5, 2)]:
@@ -233,8 +362,15 @@ def test_nodes_of_different_sizes_are_refused_naming_them():
 
 def test_exchange_option_and_what_it_refuses():
     assert DGCConfig(environ={"HOROVOD_DGC_EXCHANGE": "Hierarchical"}).exchange == "hierarchical"
-    with pytest.raises(ValueError, match="clip_norm must be None with exchange='hierarchical'"):
-        DGCConfig(exchange="hierarchical", clip_norm=1.0, environ={})
+    assert DGCConfig(exchange="hierarchical", clip_norm=1.0, environ={}).clip_norm == 1.0
+    with pytest.raises(ValueError, match="clip_scope='tensor' is not available with "
+                                         "exchange='hierarchical'.*clip_scope='global'"):
+        DGCConfig(exchange="hierarchical", clip_norm=1.0, clip_scope="tensor", environ={})
+    with pytest.raises(ValueError, match=r"clip_scope from HOROVOD_DGC_CLIP_SCOPE"):
+        DGCConfig(exchange="hierarchical", clip_norm=1.0,
+                  environ={"HOROVOD_DGC_CLIP_SCOPE": "tensor"})
+    # clip_scope alone (no clip_norm) clips nothing: accepted
+    DGCConfig(exchange="hierarchical", environ={"HOROVOD_DGC_CLIP_SCOPE": "tensor"})
 
 
 def test_statistics_inside_and_across_nodes():

@@ -39,10 +39,11 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def simulated(kwargs, world_size=2):
+def simulated(kwargs, world_size=2, local_size=1):
     model = W.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=W.LR)
-    cluster = SimulatedCluster(model, opt, world_size, DGCConfig(environ={}, **kwargs))
+    cluster = SimulatedCluster(model, opt, world_size, DGCConfig(environ={}, **kwargs),
+                               local_size=local_size)
     for step in range(W.STEPS):
         cluster.backward([lambda k=k: W.loss_of(model, k, step) for k in range(world_size)])
         opt.step()
@@ -73,6 +74,62 @@ def test_simulated_cluster_matches_horovodrun_bit_for_bit(tmp_path, one_thread, 
     assert moved == len(real["params"])          # every parameter was trained
     assert real["wire_bytes"] == cluster.cores[0].total_stats.wire_bytes
     assert real["received_bytes"] == cluster.cores[0].total_stats.received_bytes
+
+
+#: the hierarchical exchange with clipping that triggers on some steps (the node's factor
+#: 0.61–1.0 here) and not on others; every tensor sharded (min_sparse_ndim=1), so no dense
+#: allreduce over the 4 ranks, whose ring sums in another order than the simulator's
+HIER_CLIP = dict(exchange="hierarchical", compress_ratio=0.05, clip_norm=0.2, weight_decay=1e-3,
+                 warmup_steps=12, min_sparse_ndim=1, min_sparse_numel=4)
+
+
+@pytest.mark.horovodrun
+def test_simulated_hierarchical_clipping_matches_horovodrun_2x2(tmp_path, one_thread):
+    """SimulatedCluster(local_size=2) and `horovodrun --gloo -np 4 -H localhost:2,127.0.0.1:2`
+    (two nodes of two ranks): the same bits after 30 steps with the node's clipping factor,
+    and the same byte counts inside and across the nodes."""
+    out = tmp_path / "params.pt"
+    env = {k: "" for k in os.environ if k.startswith("HOROVOD_DGC_")}
+    env.update(HOROVOD_DYNAMIC_PROCESS_SETS="1", HOROVOD_FUSION_THRESHOLD="0")
+    horovodrun([WORKER, "--config", json.dumps(HIER_CLIP), "--out", str(out)], np=4,
+               hosts="localhost:2,127.0.0.1:2", env=env)
+    real = torch.load(out, weights_only=True)
+    model, cluster = simulated(HIER_CLIP, 4, local_size=2)
+    assert real["steps"] == cluster.cores[0].steps == W.STEPS
+    for n, p in model.named_parameters():
+        assert torch.equal(real["params"][n], p.detach()), n
+    sim = cluster.cores[0].total_stats.to_dict()
+    for st in (real["stats"], sim):
+        del st["compress_seconds"]              # a time, not a count
+    assert real["stats"] == sim
+    assert real["stats"]["cross_node_bytes"] > 0 and real["stats"]["node_bytes"] > 0
+    # the clipping mattered: without it the parameters differ
+    unclipped, _ = simulated(dict(HIER_CLIP, clip_norm=None), 4, local_size=2)
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(),
+                                                     unclipped.parameters()))
+
+
+@pytest.mark.unit
+def test_simulated_hierarchical_clipping_factors(one_thread):
+    """With HIER_CLIP the node's factor is below 1 on some steps, 1 on others, the same for
+    the two workers of a node; with clip_norm=None it is never computed."""
+    model = W.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=W.LR)
+    cluster = SimulatedCluster(model, opt, 4, DGCConfig(environ={}, **HIER_CLIP), local_size=2)
+    seen = []
+    for c, core in enumerate(cluster.cores[::2]):
+        orig = core.clip_scale_of_squares
+
+        def spy(*a, orig=orig, c=c, **k):
+            seen.append((c, orig(*a, **k)))
+            return seen[-1][1]
+        core.clip_scale_of_squares = spy
+    for step in range(W.STEPS):
+        cluster.backward([lambda k=k: W.loss_of(model, k, step) for k in range(4)])
+        opt.step()
+    assert len(seen) == 2 * W.STEPS
+    scales = [s for _, s in seen]
+    assert min(scales) < 0.7 and max(scales) == 1.0
 
 
 @pytest.mark.unit

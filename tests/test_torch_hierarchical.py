@@ -86,6 +86,20 @@ def test_ratio_one_equals_dense_momentum_sgd(run):
     assert run["dense_max_diff"] < 1e-6
 
 
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_clipping_uses_the_nodes_norm_with_N_the_nodes(run, op):
+    """clip_norm at density 1, momentum 0: every step's update is the paper's with the nodes as
+    the workers (each node's averaged gradient clipped at C·√M, C/√M under Sum), to float32
+    rounding, on bit-identical replicas; the clipping triggers on both nodes, and the wrong
+    rules (N = L·M, no clipping, every rank clipping its own gradient) are far off."""
+    r = run["clip"][op]
+    assert r["identical"] and r["states_finite"]
+    assert all(s < 0.9 for scales in r["scales"] for s in scales), r["scales"]
+    assert max(r["err"]) < 1e-5, r["err"]
+    for wrong in ("wrong_n", "unclipped", "per_rank"):
+        assert min(r[wrong]) > 100 * max(r["err"]) and min(r[wrong]) > 1e-3, (wrong, r[wrong])
+
+
 def test_nonfinite_step_poisons_nothing(run):
     r = run["nonfinite"]
     assert r["skipped"] == [step == 3 for step in range(8)]

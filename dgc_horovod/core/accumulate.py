@@ -6,9 +6,9 @@ g gradient, u velocity (momentum buffer), v accumulated velocity (the residual, 
 """
 import math
 
-__all__ = ["CLIP_EPS", "clip_threshold", "clip_factor", "clip_by_local_norm", "global_norm",
-           "add_weight_decay", "weight_decay_momentum", "momentum_correction", "clear_sent",
-           "restore_sent"]
+__all__ = ["CLIP_EPS", "clip_threshold", "clip_factor", "clip_by_local_norm", "squared_norm",
+           "global_norm", "add_weight_decay", "weight_decay_momentum", "momentum_correction",
+           "clear_sent", "restore_sent"]
 
 #: What clip_factor adds to the norm (as torch.nn.utils.clip_grad_norm_ does).
 CLIP_EPS = 1e-6
@@ -41,10 +41,10 @@ def clip_factor(norm, threshold, minimum=min):
     return minimum(1.0, threshold / (norm + CLIP_EPS))
 
 
-def global_norm(B, grads):
-    """sqrt(Σ ‖g‖²) over the finite tensors of ``grads`` (Pascanu et al.'s global norm, as the
-    paper clips: "the sum of their L2-norms" over all parameters), summed in float64 in the
-    order given. A tensor with NaN/Inf is left out: it is not accumulated at all (see
+def squared_norm(B, grads):
+    """Σ ‖g‖² over the finite tensors of ``grads``, each ‖g‖ the float32 norm, squared and
+    summed in float64 (a Python float) in the order given; inf when a finite tensor's float32
+    norm overflows. A tensor with NaN/Inf is left out: it is not accumulated at all (see
     compressor), so it must not turn every other tensor's factor into NaN."""
     total = 0.0
     for g in grads:
@@ -54,7 +54,14 @@ def global_norm(B, grads):
             return n                        # finite but its float32 norm overflows
         if n == n and n != float("inf"):
             total += n * n
-    return math.sqrt(total)
+    return total
+
+
+def global_norm(B, grads):
+    """sqrt(Σ ‖g‖²) over the finite tensors of ``grads`` (Pascanu et al.'s global norm, as the
+    paper clips: "the sum of their L2-norms" over all parameters): the square root of
+    :func:`squared_norm`, whose rules it follows."""
+    return math.sqrt(squared_norm(B, grads))
 
 
 def clip_by_local_norm(B, g, clip_norm, world_size, average=True, loss_scale=1.0):

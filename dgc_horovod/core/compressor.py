@@ -54,14 +54,15 @@ the rank that overflowed drops its state of the tensor, u and v restart at zero)
 loss scaler (:meth:`DGCCore.set_loss_scale`) every tensor's state follows the step's loss scale,
 so that the update after unscaling is bit-identical to training without one.
 """
+import math
 import numbers
 import threading
 import time
 import warnings
 
 from dgc_horovod.core.accumulate import (add_weight_decay, clip_by_local_norm, clip_factor,
-                                         clip_threshold, global_norm, momentum_correction,
-                                         restore_sent, weight_decay_momentum)
+                                         clip_threshold, momentum_correction, restore_sent,
+                                         squared_norm, weight_decay_momentum)
 from dgc_horovod.core.checkpoint import STATE_DICT_VERSION, FitCheck
 from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.driver import BucketDriver
@@ -495,10 +496,20 @@ class DGCCore:
         ``clip_grad_norm_(C)`` of the averaged gradient. 1.0 when clip_norm is None. Under a
         loss scale S (:meth:`set_loss_scale`) the unscaled norm ‖G_k‖/S is compared with T.
         """
+        return self.clip_scale_of_squares([squared_norm(self.B, grads)], world_size, average)
+
+    def clip_scale_of_squares(self, squares, world_size, average=True):
+        """The factor of :meth:`clip_scale` from squared norms already taken: s = min(1,
+        T / (sqrt(Σ squares)/S + 1e-6)), the float ``squares`` summed in the order given (the
+        hierarchical exchange's node norm from its ranks' parts,
+        :func:`~dgc_horovod.core.hierarchical.clip_part`). 1.0 when clip_norm is None."""
         c = self.config
         if c.clip_norm is None:
             return 1.0
-        return clip_factor(global_norm(self.B, grads) / self.loss_scale,
+        total = 0.0
+        for q in squares:
+            total += float(q)
+        return clip_factor(math.sqrt(total) / self.loss_scale,
                            clip_threshold(c.clip_norm, world_size, average))
 
     def _accumulated(self, g, param, world_size, average=True, clip_scale=None):

@@ -262,7 +262,8 @@ class DGCConfig:
             allgathers its payload with the same rank of every other node, and an allgather
             inside the node joins the shards: the nodes are the DGC workers
             (:mod:`dgc_horovod.core.hierarchical`; PyTorch; Horovod started with dynamic
-            process sets, ``hvd.init(process_sets="dynamic")``; no clipping yet).
+            process sets, ``hvd.init(process_sets="dynamic")``; clipping with
+            ``clip_scope="global"`` only, the node's norm against C·√M for M nodes).
         engine (str): what computes the compress and decode steps (:mod:`dgc_horovod.core.engine`;
             every engine gives the same bits): "auto" (default) the C kernels for tensors in host
             memory, the Triton kernels for CUDA tensors (Triton ships with PyTorch's CUDA
@@ -334,10 +335,12 @@ class DGCConfig:
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("nesterov=True needs momentum > 0"
                              + self._from("nesterov", "momentum"))
-        if self.exchange == "hierarchical" and self.clip_norm is not None:
-            raise ValueError("clip_norm must be None with exchange='hierarchical' (clipping is "
-                             "not implemented for that exchange yet)"
-                             + self._from("clip_norm", "exchange"))
+        if self.exchange == "hierarchical" and self.clip_norm is not None \
+                and self.clip_scope == "tensor":
+            raise ValueError("clip_scope='tensor' is not available with exchange='hierarchical' "
+                             "(each rank holds a shard of a tensor, not its norm); use "
+                             "clip_scope='global', the paper's rule, or clip_norm=None"
+                             + self._from("clip_scope", "exchange"))
 
     @classmethod
     def _read_environ(cls, environ):

@@ -29,7 +29,30 @@ to a sum; here worker k is node c with N = M and contribution G_c/M, and (1/M)·
 (1/(L·M))·Σ_r g_r: node averages, then the DGC average over nodes, give Horovod's average, and
 density 1 gives dense momentum SGD. Under op=Sum the node sums and the DGC sum over nodes give
 Σ_r g_r. So N = M everywhere the core uses the world size (the 1/N of decode, the statistics'
-workers; the clipping threshold C·√M when clipping is supported: it is not yet, see below).
+workers, the clipping threshold).
+
+Local clipping (``clip_norm`` with ``clip_scope="global"``, §3.2). Algorithm 1 clips worker k's
+contribution by the global norm of all its gradients; worker k is node c and its gradient is
+G_c, every tensor t of the step reduced inside the node (step 1; a tensor that is not sharded is
+reduced there too, for this norm only). Rank (c, j) holds shard j of each sharded tensor, so
+
+    q_(c,j)   = Σ_t ‖G_c^t|S_j‖² over the sharded tensors, then, on j = 0 only, + Σ_t ‖G_c^t‖²
+                over the others (:func:`clip_part`: each norm in float32, squared and summed in
+                float64 in plan order; a tensor whose G_c^t has a NaN/Inf anywhere is left out
+                on every rank of the node, the rules of
+                :func:`~dgc_horovod.core.accumulate.squared_norm`)
+    ‖G_c‖     = sqrt(q_(c,0) + … + q_(c,L−1)), the L parts allgathered inside the node and summed
+                in shard order: the same bits on every rank of node c
+    s_c       = min(1, T / (‖G_c‖/S + 1e-6)) with T = C·√M under Average, C/√M under Sum
+                (:func:`~dgc_horovod.core.accumulate.clip_threshold` with N = M;
+                :meth:`~dgc_horovod.core.compressor.DGCCore.clip_scale_of_squares`; S the loss
+                scale, 1 without a loss scaler)
+
+and step 2 accumulates s_c·G_c|S_j: u ← m·u + s_c·G_c|S_j. A tensor that is not sharded is
+accumulated by each rank from its own g_r with its node's s_c, as under every exchange, and its
+velocity averaged over all L·M ranks: by linearity that is the average over the nodes of the
+momentum of s_c·G_c. This is the paper's rule for worker c: its contribution to the sum,
+G_c/M (Average) or G_c (Sum), is clipped at C·M^(−1/2).
 
 Nothing is lost: after a finite step Σ_c v_(c,j) + M·Δ|S_j (Average; Sum: Δ|S_j) equals
 Σ_c v_(c,j) before the selection plus Σ_c G_c|S_j, for every shard j: what a shard did not send
@@ -42,14 +65,16 @@ sends P once and receives the M−1 other nodes' payloads of its shard, so a nod
 (M−1)·ρ·n entries, against L²·(M−1)·ρ·n with every rank a worker (allgather exchange). Inside
 the node: the dense allreduce of n float32 and the allgather of the n float32 of Δ.
 
-Not yet: clipping (``clip_norm``), the bucketed allgather (every sparsified tensor is exchanged
-by itself, ``bucket_numel`` is not used), TensorFlow.
+Not yet: ``clip_scope="tensor"`` (refused by :class:`~dgc_horovod.core.config.DGCConfig`), the
+bucketed allgather (every sparsified tensor is exchanged by itself, ``bucket_numel`` is not
+used), TensorFlow.
 """
+from dgc_horovod.core.accumulate import squared_norm
 from dgc_horovod.core.regions import bounds
 from dgc_horovod.core.sparsify import is_sparse
 
 __all__ = ["shard_bounds", "is_sharded", "dense_flat", "node_layout", "node_bytes",
-           "shards_bytes", "LAYOUT_FIELDS"]
+           "shards_bytes", "clip_part", "clip_bytes", "LAYOUT_FIELDS"]
 
 #: What each rank contributes to :func:`node_layout`: Horovod's own view of where it runs.
 LAYOUT_FIELDS = ("rank", "local_rank", "local_size", "cross_rank", "cross_size")
@@ -62,10 +87,25 @@ def node_bytes(numel, local_size):
     return (4 * numel, 4 * numel) if local_size > 1 else (0, 0)
 
 
+def clip_bytes(local_size):
+    """(sent, received) bytes of the allgather of the clipping parts inside the node (one
+    float64 each); nothing with one rank per node."""
+    return (8, 8 * (local_size - 1)) if local_size > 1 else (0, 0)
+
+
 def shards_bytes(numel, shard, local_size):
     """(sent, received) bytes of step 4, the allgather inside the node: this rank's ``shard``
     elements out, the rest of the tensor's ``numel`` in; nothing with one rank per node."""
     return (4 * shard, 4 * (numel - shard)) if local_size > 1 else (0, 0)
+
+
+def clip_part(B, shards, others, shard):
+    """q_(c,j), rank (c, j)'s part of its node's squared global norm (see the module docstring):
+    Σ ‖x‖² over ``shards`` (its shard of each sharded tensor's node gradient, all NaN where that
+    node gradient has a NaN/Inf anywhere) and, when ``shard`` (j) is 0, over ``others`` (the
+    node gradients of the tensors that are not sharded), in that order
+    (:func:`~dgc_horovod.core.accumulate.squared_norm`: a float)."""
+    return squared_norm(B, list(shards) + (list(others) if shard == 0 else []))
 
 
 def shard_bounds(numel, local_size):

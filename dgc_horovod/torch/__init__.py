@@ -37,7 +37,6 @@ import torch
 from horovod.torch.compression import Compressor
 
 from dgc_horovod.adapter import DGCAdapter, compression_namespace
-from dgc_horovod.core.hierarchical import dense_flat
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.summary import log_stats
 from dgc_horovod.backends.torch_backend import TorchBackend
@@ -168,16 +167,16 @@ class DGC(DGCAdapter, Compressor):
     def _compress_hierarchical(self, name, tensor, param, average):
         """``exchange="hierarchical"`` (:mod:`dgc_horovod.torch.hierarchical`): a sharded
         tensor's node reduction starts; any other goes through Horovod's allreduce as its
-        velocity, as under every exchange (with N = the number of nodes)."""
+        velocity, as under every exchange (with N = the number of nodes), or with clipping
+        starts its node reduction too (for the node's norm)."""
         hier, core = self._hier, self._core
         core.check_floating(name, tensor)
-        if hier.sharded(tensor):
-            ctx = hier.start(name, tensor, param, average)
+        sharded = hier.sharded(tensor)
+        if sharded or core.needs_clip_scale:    # clipping: every tensor waits for the norm
+            ctx = hier.start(name, tensor, param, average, sharded)
             self._exchange.hold()
             return tensor.new_zeros(1, dtype=torch.float32), ctx
-        g, q = tensor, param
-        if dense_flat(name, tensor.numel(), tensor.dim(), hier.layout.local_size, self.config):
-            g, q = tensor.reshape(-1), param.reshape(-1)
+        g, q = hier.dense_input(name, tensor, param)
         kind, out, _ = core.compress(name, g, hier.layout.nodes_count, q, average)
         self._exchange.hold()
         return out.view(tensor.shape), (tensor.shape, tensor.dtype, name, param)

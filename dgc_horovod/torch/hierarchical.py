@@ -25,6 +25,17 @@ Per sparsified tensor (:func:`~dgc_horovod.core.hierarchical.is_sharded`), one t
    decoded shard inside the node (``dgc.shards.<name>``).
 3. each ``decompress`` waits for its tensor's allgather inside the node: the whole update.
 
+With clipping (``clip_norm``, ``clip_scope="global"``; the equations: the core module) every
+tensor of the step waits for the node's norm: a tensor that is not sharded starts its node
+allreduce in ``compress`` too (for the norm only; Horovod's allreduce carries a placeholder for
+it). At the step's first ``decompress`` every node reduction is waited for, in start order;
+this rank's part of the node's squared norm (:func:`~dgc_horovod.core.hierarchical.clip_part`,
+the tensors in plan order) is allgathered inside the node (``dgc.clip.node``) and the factor
+s_c computed from the L parts (:meth:`DGCCore.clip_scale_of_squares` with N = M: the same bits
+on every rank of the node); then each sharded tensor goes on as in step 2 with s_c, and each
+other tensor's velocity, from this rank's own gradient with s_c, goes out by DGC's own
+``hvd.allreduce_async`` over every rank (``dgc.dense.<name>``).
+
 Statistics: :meth:`DGCCore.count_hierarchical` (``node_*`` and ``cross_node_*`` fields).
 """
 import os
@@ -33,8 +44,9 @@ import threading
 import horovod.torch as hvd
 import torch
 
-from dgc_horovod.core import hierarchical
+from dgc_horovod.core import PLACEHOLDER_BYTES, hierarchical
 from dgc_horovod.torch.exchange import _wait
+from dgc_horovod.torch.params import reduced_parameters
 
 __all__ = ["Hierarchical", "HierarchicalPending"]
 
@@ -51,16 +63,21 @@ class HierarchicalPending:
 
 class _Flight:
     """One tensor's three collectives: ``node`` (the allreduce inside the node), ``cross`` (the
-    allgather across nodes), ``shards`` (the allgather of the decoded shards inside the node);
+    allgather across nodes), ``shards`` (the allgather of the decoded shards inside the node, or
+    for a tensor that is not sharded, with clipping, DGC's allreduce of its velocity);
     ``ctx`` the core's SparseContext; ``update`` the decoded shard; ``error`` what advancing it
-    raised."""
+    raised; ``own`` (a tensor that is not sharded, with clipping) this rank's gradient as the
+    core takes it; ``G`` the node's gradient and ``shard`` this rank's part of it, between the
+    node reduction and compress."""
 
     __slots__ = ("name", "param", "average", "ndim", "node", "cross", "shards", "ctx", "words",
-                 "update", "error", "bounds")
+                 "update", "error", "bounds", "own", "G", "shard", "sharded")
 
-    def __init__(self, name, param, average, ndim, node):
+    def __init__(self, name, param, average, ndim, node, own=None):
         self.name, self.param, self.average, self.ndim, self.node = name, param, average, ndim, node
         self.cross = self.shards = self.ctx = self.update = self.error = self.bounds = None
+        self.G = self.shard = None
+        self.own, self.sharded = own, own is None
         self.words = 0
 
 
@@ -144,6 +161,7 @@ class Hierarchical:
     def __init__(self, core):
         self._core = core
         self.layout = None
+        self._order = {}            # name -> plan position (reversed registration order)
         self._started = []          # flights whose node reduction has not been advanced
         self._crossing = []         # flights whose allgather across nodes has not been advanced
         self._lock = threading.Lock()
@@ -156,6 +174,8 @@ class Hierarchical:
     def setup(self, opt):
         if self.layout is None:
             self.layout = make_layout(opt.process_set)
+            self._order = {opt._parameter_names[p]: i
+                           for i, p in enumerate(reduced_parameters(opt)[::-1])}
 
     def sharded(self, tensor):
         """Whether ``tensor`` (a gradient) is sparsified under this exchange."""
@@ -175,35 +195,83 @@ class Hierarchical:
                 out[name] = p.numel()
         return out
 
-    def start(self, name, tensor, param, average):
-        """Step 1: start the node's reduction of ``tensor``; returns the ctx for decompress."""
+    def dense_input(self, name, tensor, param):
+        """(gradient, parameter) of a tensor that is not sharded as the core takes it: flat
+        where :func:`~dgc_horovod.core.hierarchical.dense_flat` says so."""
+        if hierarchical.dense_flat(name, tensor.numel(), tensor.dim(), self.layout.local_size,
+                                   self._core.config):
+            return tensor.reshape(-1), param.reshape(-1)
+        return tensor, param
+
+    def start(self, name, tensor, param, average, sharded=True):
+        """Step 1: start the node's reduction of ``tensor``; returns the ctx for decompress.
+        ``sharded=False`` (with clipping): a tensor that is not sharded, reduced for the node's
+        norm and compressed from this rank's own gradient once the factor is known."""
+        own = None
+        if not sharded:
+            own, param = self.dense_input(name, tensor, param)
+            self._core.check_entry(name, own, param)
         g = tensor.detach().reshape(-1)
         if g.dtype is not torch.float32:
             g = g.float()
         op = hvd.Average if average else hvd.Sum
         handle = hvd.allreduce_async(g, name="dgc.node." + name, op=op,
                                      process_set=self.layout.local)
-        flight = _Flight(name, param, average, tensor.dim(), handle)
+        flight = _Flight(name, param, average, tensor.dim(), handle, own)
         with self._lock:
             self._started.append(flight)
         return HierarchicalPending(flight, tensor.shape, tensor.dtype)
 
-    def _select(self, f):
-        """Step 2a (lock held): the node's gradient → this rank's shard compressed → its
-        allgather across the nodes."""
-        core, lay = self._core, self.layout
-        G = _wait(f.node)
+    def _reduce(self, f):
+        """The node's gradient of ``f`` waited for (lock held); for a sharded tensor this
+        rank's shard of it, all NaN when the node's gradient is non-finite anywhere."""
+        f.G = _wait(f.node)
         f.node = None
-        n = G.numel()
-        lo, hi = f.bounds = hierarchical.shard_bounds(n, lay.local_size)[lay.shard]
-        shard = G[lo:hi]
-        if not core.B.all_finite(G):        # the node's gradient is non-finite: every shard
-            shard = torch.full_like(shard, float("nan"))
+        if not f.sharded:
+            return
+        lo, hi = f.bounds = hierarchical.shard_bounds(f.G.numel(), self.layout.local_size)[
+            self.layout.shard]
+        f.shard = f.G[lo:hi]
+        if not self._core.B.all_finite(f.G):    # the node's gradient is non-finite: every shard
+            f.shard = torch.full_like(f.shard, float("nan"))
+
+    def _clip_scale(self, flights):
+        """The node's clipping factor s_c of the step (lock held; collective inside the node):
+        this rank's part of the node's squared norm over ``flights`` (every tensor of the step,
+        reduced), the L parts allgathered and summed in shard order."""
+        core, lay = self._core, self.layout
+        planned = sorted(flights, key=lambda f: self._order.get(f.name, len(self._order)))
+        part = hierarchical.clip_part(core.B, [f.shard for f in planned if f.sharded],
+                                      [f.G for f in planned if not f.sharded], lay.shard)
+        parts = hvd.allgather(torch.tensor([part], dtype=torch.float64), name="dgc.clip.node",
+                              process_set=lay.local)
+        return core.clip_scale_of_squares(parts.tolist(), lay.nodes_count, flights[0].average)
+
+    def _select(self, f, clip_scale=None):
+        """Step 2a (lock held): this rank's shard compressed → its allgather across the nodes;
+        with clipping, a tensor that is not sharded: its velocity → DGC's allreduce."""
+        core, lay = self._core, self.layout
+        if f.node is not None:
+            self._reduce(f)
+        n = f.G.numel()
+        f.G = None
+        if not f.sharded:               # clipping: not sharded, reduced for the norm only
+            kind, out, _ = core.compress(f.name, f.own, lay.nodes_count, f.param, f.average,
+                                         clip_scale)
+            f.own = None
+            core.count_hierarchical(node=hierarchical.node_bytes(n, lay.local_size))
+            # Horovod's own allreduce carries a placeholder for it, both ways
+            core.add_wire_bytes(PLACEHOLDER_BYTES, received=PLACEHOLDER_BYTES)
+            f.shards = hvd.allreduce_async(out, name="dgc.dense." + f.name,
+                                           op=hvd.Average if f.average else hvd.Sum)
+            return
+        lo, hi = f.bounds
         shape = (1,) * (f.ndim - 1) + (hi - lo,)
         param = None if f.param is None else f.param.reshape(-1)[lo:hi]
-        kind, payload, f.ctx = core.compress(f.name, shard.view(shape), lay.nodes_count,
+        kind, payload, f.ctx = core.compress(f.name, f.shard.view(shape), lay.nodes_count,
                                              None if param is None else param.view(shape),
-                                             f.average)
+                                             f.average, clip_scale)
+        f.shard = None
         if kind != "sparse":
             raise RuntimeError(f"DGC: the shard of {f.name!r} was compressed as a dense tensor")
         core.count_hierarchical(node=hierarchical.node_bytes(n, lay.local_size),
@@ -228,7 +296,24 @@ class Hierarchical:
                                        process_set=lay.local)
 
     def _advance(self):
-        """Steps 2a and 2b of every tensor started (lock held), each in start order."""
+        """Steps 2a and 2b of every tensor started (lock held), each in start order; with
+        clipping, first every node reduction and the node's factor."""
+        if self._core.needs_clip_scale and self._started:
+            flights, self._started = self._started, []
+            done = 0
+            try:
+                for f in flights:
+                    self._reduce(f)
+                scale = self._clip_scale(flights)
+                for f in flights:
+                    self._select(f, scale)
+                    done += 1
+                self._core.count_hierarchical(node=hierarchical.clip_bytes(
+                    self.layout.local_size))
+            except BaseException as e:
+                for f in flights[done:]:    # the tensors not sent raise it
+                    f.error = e
+                raise
         for queue, step in ((self._started, self._select), (self._crossing, self._decode)):
             while queue:
                 f = queue.pop(0)
@@ -250,6 +335,8 @@ class Hierarchical:
         full = _wait(f.shards)
         f.shards = None
         core = self._core
+        if not f.sharded:               # clipping: a tensor that is not sharded
+            return core.finish_update(f.name, full.view(-1), f.param)
         core.count_hierarchical(node=hierarchical.shards_bytes(
             full.numel(), f.update.numel(), self.layout.local_size))
         if not core.B.all_finite(full):

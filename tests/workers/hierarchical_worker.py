@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from dgc_horovod.torch import DGC
-from torch_worker import (flat_params, scenario_fp16_overflow, identical_across_ranks, make,
-                          nonfinite_facts, train, train_with_nan)
+from torch_worker import (batches, flat_params, scenario_fp16_overflow, identical_across_ranks,
+                          make, nonfinite_facts, train, train_with_nan)
 
 SETTINGS = dict(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, min_sparse_numel=512)
 
@@ -107,6 +107,64 @@ def scenario_dense(results):
     results["dense_max_diff"] = float((flat_params(model) - flat_params(ref)).abs().max())
 
 
+def clipped_update(rows, nodes, clip_norm, world, average):
+    """The paper's update with local clipping at density 1 and momentum 0, in float64, from
+    every rank's raw gradient (``rows``, rank order) and the nodes (lists of ranks): each
+    worker's gradient G_w (its ranks' average, or sum under op=Sum) clipped at C·√N (C/√N) with
+    N = ``world``, then averaged (summed) over the workers. Returns (update, the factors)."""
+    M = len(nodes)
+    T = clip_norm * world ** 0.5 if average else clip_norm / world ** 0.5
+    total, scales = torch.zeros_like(rows[0]), []
+    for node in nodes:
+        G = sum(rows[r] for r in node)
+        G = G / len(node) if average else G
+        s = min(1.0, T / (float(G.norm()) + 1e-6))
+        scales.append(s)
+        total += s * G
+    return (total / M if average else total), scales
+
+
+def scenario_clip(results):
+    """clip_norm with the hierarchical exchange at density 1, momentum 0: each step's update
+    (p.grad after synchronize) against the paper's with the nodes as the workers (N = M = 2),
+    and against what a wrong rule gives: N = L·M, no clipping, every rank a worker."""
+    out = {}
+    for average in (True, False):
+        C = 0.05
+        dgc = DGC(exchange="hierarchical", compress_ratio=1.0, momentum=0.0, warmup_epochs=0,
+                  min_sparse_numel=512, clip_norm=C)
+        model, opt = make(f"clip.{int(average)}", dgc, op=hvd.Average if average else hvd.Sum)
+        where = hvd.allgather(torch.tensor([[hvd.rank(), hvd.cross_rank()]]),
+                              name="check.where").tolist()
+        nodes = [[r for r, c in where if c == k] for k in sorted({c for _, c in where})]
+        facts = {"err": [], "wrong_n": [], "unclipped": [], "per_rank": [], "scales": [],
+                 "identical": True}
+        for step, (x, y) in enumerate(batches(3, 500 + hvd.rank())):
+            opt.zero_grad()
+            F.cross_entropy(model(x, use_aux=step != 1), y).backward()
+            raw = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                             .detach().reshape(-1) for p in model.parameters()])
+            rows = hvd.allgather(raw.unsqueeze(0).double(), name=f"check.raw.{average}.{step}")
+            opt.synchronize()
+            got = torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()]).double()
+            with opt.skip_synchronize():
+                opt.step()
+            want, scales = clipped_update(rows, nodes, C, len(nodes), average)
+            scale = float(want.abs().max())
+            facts["scales"].append(scales)
+            facts["err"].append(float((got - want).abs().max()) / scale)
+            for key, alt in (("wrong_n", clipped_update(rows, nodes, C, hvd.size(), average)),
+                             ("unclipped", clipped_update(rows, nodes, 1e30, 1, average)),
+                             ("per_rank", clipped_update(rows, [[r] for r in range(hvd.size())],
+                                                         C, hvd.size(), average))):
+                facts[key].append(float((alt[0] - want).abs().max()) / scale)
+            facts["identical"] &= identical_across_ranks(model)
+        facts["states_finite"] = all(t is None or bool(torch.isfinite(t).all())
+                                     for st in dgc.states.values() for t in (st.u, st.v))
+        out["average" if average else "sum"] = facts
+    results["clip"] = out
+
+
 def scenario_nonfinite(results):
     """Rank 1's loss is NaN at step 3: the update is NaN everywhere, no state is poisoned."""
     dgc = DGC(exchange="hierarchical", **SETTINGS)
@@ -166,7 +224,8 @@ def main():
     results = {"size": hvd.size(), "local_size": hvd.local_size(),
                "cross_size": hvd.cross_size()}
     if args.mode == "train":
-        for scenario in (scenario_train, scenario_dense, scenario_nonfinite, scenario_checkpoint):
+        for scenario in (scenario_train, scenario_dense, scenario_clip, scenario_nonfinite,
+                         scenario_checkpoint):
             scenario(results)
         # float16 values that overflow in one shard: the whole update is non-finite everywhere
         scenario_fp16_overflow(results, "fp16", exchange="hierarchical", min_sparse_numel=512)

@@ -1,6 +1,7 @@
 """Runs under `horovodrun -np N`: a small model trained with DGC through the stock
 hvd.DistributedOptimizer; rank 0 saves the final parameters. tests/test_simulate.py trains the
-same model on dgc_horovod.simulate.SimulatedCluster and compares the bits."""
+same model on dgc_horovod.simulate.SimulatedCluster and compares the bits. (For
+``exchange="hierarchical"`` launch it with HOROVOD_DYNAMIC_PROCESS_SETS=1.)"""
 import argparse
 import json
 
@@ -49,7 +50,8 @@ def main():
         torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "steps": dgc._core.steps, "density": dgc.density,
                     "wire_bytes": dgc.total_stats.wire_bytes,
-                    "received_bytes": dgc.total_stats.received_bytes}, args.out)
+                    "received_bytes": dgc.total_stats.received_bytes,
+                    "stats": dgc.total_stats.to_dict()}, args.out)
 
 
 if __name__ == "__main__":
