@@ -50,7 +50,10 @@ check-build: install
 ## RATE=1gbit|100mbit, sshd in each); cluster-down removes all of it; cluster-demo trains the MNIST
 ## example with DGC across them (horovodrun -H hostA:1,hostB:1 over ssh, Gloo). Needs root.
 ## cluster-bench: benchmarks/synthetic_benchmark.py across them: ResNet-50 and LSTM shapes (synthetic
-## compute), then ResNet-18 (real convolutions); Horovod dense, fp16, DGC and DDP dense, fp16, PowerSGD.
+## compute), then ResNet-18 (real convolutions); Horovod dense, fp16, DGC and DDP dense, fp16, PowerSGD;
+## last, 2 ranks per host (-H hostA:2,hostB:2): ResNet-50's shapes with dense, flat DGC and
+## DGC(exchange="hierarchical"), the link's bytes per step both ways and the step time (--link-table;
+## HIER_ARGS="--warmup-steps 1 --steps 3" for a short run).
 RATE ?= 1gbit
 .PHONY: cluster-up cluster-down cluster-demo cluster-bench
 cluster-up: install
@@ -68,6 +71,9 @@ cluster-bench: install
 	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS)
 	bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py --model resnet18 --markdown \
 	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS)
+	NP=4 HOSTS=hostA:2,hostB:2 bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py \
+	    --model resnet50 --compression none,dgc,dgc-hier --link-table --iface dgc0 \
+	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS) $(HIER_ARGS)
 
 ## clean-venv: remove .venv (the built Horovod wheel stays cached in ~/.cache/dgc_horovod)
 clean-venv:

@@ -12,6 +12,11 @@ gloo (a ``torch.distributed`` process group of its own, on the same interface): 
 2 on, inside the untimed steps; in one DDP bucket, as PowerSGD over gloo hangs or fails with
 several, see ``ddp_run``).
 
+``--compression dgc-hier`` is ``DGC(exchange="hierarchical")`` (several ranks per host: dense inside
+the host, DGC across hosts; not in the default list); ``--link-table`` adds a table of the bytes the
+interface sent and received per step, on the two-host bed with 2 ranks per host all that crossed
+the link (``make cluster-bench``'s last table, docs/scaling.md).
+
 ``--model resnet18`` is the real thing instead: ResNet-18 (``benchmarks/resnet18.py``, 11.7M
 parameters) with real convolutions on a fixed batch of random images per rank (``--batch-size``,
 ``--image-size``, default 32 of 64 × 64) and a cross-entropy loss, so that what DGC gains is
@@ -80,7 +85,7 @@ MODELS = {
 #: its own process group beside Horovod's) with DDP's communication hooks. Value: the hook (None:
 #: DDP's own dense fp32 allreduce; "fp16": the fp16 compress hook; an int: PowerSGD of that rank).
 DDP_PEERS = {"ddp": None, "ddp-fp16": "fp16", "ddp-powersgd1": 1, "ddp-powersgd4": 4}
-COMPRESSIONS = ("none", "fp16", "dgc") + tuple(DDP_PEERS)
+COMPRESSIONS = ("none", "fp16", "dgc", "dgc-hier") + tuple(DDP_PEERS)
 #: PowerSGD allreduces the gradients densely for its first iterations (its state's
 #: start_powerSGD_iter, default 1,000); here it compresses from this step on, within the untimed ones.
 POWERSGD_START = 2
@@ -102,12 +107,13 @@ def parse_rate(text):
     return value
 
 
-def iface_tx_bytes(iface):
-    """Bytes the network interface ``iface`` has sent (Linux sysfs counter), or None."""
+def iface_tx_bytes(iface, way="tx"):
+    """Bytes the network interface ``iface`` has sent (``way="rx"``: received; Linux sysfs
+    counter, the one scripts/cluster/counters.sh prints), or None."""
     if not iface:
         return None
     try:
-        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+        with open(f"/sys/class/net/{iface}/statistics/{way}_bytes") as f:
             return int(f.read())
     except OSError:
         return None
@@ -127,7 +133,8 @@ def worker(args):
 
     from dgc_horovod.torch import DGC
 
-    hvd.init()
+    # dgc-hier: DGC(exchange="hierarchical") registers its process sets at its first step
+    hvd.init(process_sets="dynamic" if "dgc-hier" in args.compression else None)
     torch.set_num_threads(args.threads)
     rank, size = hvd.rank(), hvd.size()
     unit, batch_fn = MODELS[args.model]
@@ -307,9 +314,10 @@ def worker(args):
         model = new_model()
         params, named = list(model.parameters()), model.named_for_horovod()
         dgc = None
-        if name == "dgc":
+        if name in ("dgc", "dgc-hier"):
             ratio = {} if args.compress_ratio is None else {"compress_ratio": args.compress_ratio}
-            dgc = DGC(momentum=0.9, warmup_epochs=0, **ratio)
+            exchange = "hierarchical" if name == "dgc-hier" else "allgather"
+            dgc = DGC(momentum=0.9, warmup_epochs=0, exchange=exchange, **ratio)
             compression, momentum = dgc, 0.0          # DGC applies the momentum itself
         else:
             compression = hvd.Compression.none if name == "none" else hvd.Compression.fp16
@@ -319,11 +327,11 @@ def worker(args):
         barrier()
         phases = {"step": [], "backward": [], "synchronize": [], "update": []}
         cpu = {"step": [], "backward": [], "synchronize": [], "update": []}
-        tx0 = start_stats = profiler = None
+        tx0 = rx0 = start_stats = profiler = None
         for step in range(total_steps):
             if step == args.warmup_steps:
                 barrier()
-                tx0 = iface_tx_bytes(iface)
+                tx0, rx0 = iface_tx_bytes(iface), iface_tx_bytes(iface, "rx")
                 start_stats = dgc.total_stats.copy() if dgc else None
                 if args.profile and rank == 0 and name == args.compression[-1]:
                     import cProfile
@@ -347,7 +355,7 @@ def worker(args):
                 for k, v in (("step", p3 - p0), ("backward", c1 - c0), ("synchronize", c2 - c1),
                              ("update", c3 - c2)):
                     cpu[k].append(v)
-        tx1 = iface_tx_bytes(iface)
+        tx1, rx1 = iface_tx_bytes(iface), iface_tx_bytes(iface, "rx")
         if profiler:
             import pstats
             profiler.disable()
@@ -364,11 +372,16 @@ def worker(args):
             run["compress_s"] = st.compress_seconds / st.steps
             run["density"] = st.selected / st.elements
             link_bytes = (size - 1) * run["bytes"]                  # allgather: to N-1 ranks
+            if name == "dgc-hier":      # what leaves the node: DGC across nodes, dense allreduce
+                run["node_bytes"] = st.node_bytes / st.steps
+                run["bytes"] -= run["node_bytes"]
+                link_bytes = (hvd.cross_size() - 1) * run["bytes"]
         else:
             run["bytes"] = dense_bytes if name == "none" else dense_bytes / 2
             link_bytes = 2 * (size - 1) / size * run["bytes"]       # ring allreduce
         run["link_bytes"] = link_bytes
         run["iface_tx_bytes"] = (tx1 - tx0) / args.steps if iface else None
+        run["iface_rx_bytes"] = (rx1 - rx0) / args.steps if iface else None
         results["runs"][name] = run
         del opt, model, params, named, dgc, compression
         gc.collect()
@@ -497,17 +510,45 @@ def report(r, args):
                   f"{f' ({tx:,.0f})' if tx is not None else ''} | "
                   f"{f'{1e3 * ideal:.0f}' if bw else 'n/a'} | {f'{step / ideal:.1f}x' if bw else 'n/a'} | "
                   f"{f'{base / step:.2f}x' if base else 'n/a'} |")
+    if args.link_table:
+        link_table(r)
     sys.stdout.flush()
+
+
+def link_table(r):
+    """The Markdown table of ``--link-table``: per compression, the step time and the bytes the
+    interface carried per step both ways (on the bed: hostA's side of the link, i.e. all that
+    crossed it), beside what DGC counted (this rank's bytes to other nodes)."""
+    runs = r["runs"]
+    base = runs.get("none", {}).get("step", (None,))[0]
+    hosts = sorted(set(r["hosts"]))
+    print(f"\n| {r['model']}, {r['size']} ranks on {len(hosts)} hosts | step (ms) | "
+          f"link bytes/step, both ways (measured) | of which {hosts[0]} sent | "
+          f"bytes/step/rank sent (counted; dgc-hier: less inside the node) | speedup vs none |")
+    print("|---|---|---|---|---|---|")
+    for name, run in runs.items():
+        step, std = run["step"]
+        tx, rx = run.get("iface_tx_bytes"), run.get("iface_rx_bytes")
+        both = f"{tx + rx:,.0f}" if tx is not None and rx is not None else "n/a"
+        print(f"| {name} | {1e3 * step:.0f} ± {1e3 * std:.0f} | {both} | "
+              f"{f'{tx:,.0f}' if tx is not None else 'n/a'} | {run['bytes']:,.0f} | "
+              f"{f'{base / step:.2f}x' if base else 'n/a'} |")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="resnet50",
                     help="gradient shapes (benchmarks/shapes.py)")
-    ap.add_argument("--compression", default=",".join(COMPRESSIONS),
+    ap.add_argument("--compression", default=",".join(c for c in COMPRESSIONS
+                                                      if c != "dgc-hier"),
                     help="comma-separated, run in this order in one job: Horovod's none, fp16 "
                          "and dgc, then DDP's ddp, ddp-fp16, ddp-powersgd1, ddp-powersgd4 "
-                         "(default: all)")
+                         "(default: all of these); dgc-hier: DGC(exchange='hierarchical'), for "
+                         "several ranks per host")
+    ap.add_argument("--link-table", action="store_true",
+                    help="also print, as Markdown, the bytes the interface (--iface) sent and "
+                         "received per step: on the two-host bed with rank 0 on hostA, the "
+                         "inter-host link's bytes, whatever the ranks per host")
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per compression")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per compression")
     ap.add_argument("--batch-size", type=int, default=32,

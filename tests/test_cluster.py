@@ -199,6 +199,32 @@ def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
     assert "speedup" in proc.stdout and "ideal" in proc.stdout
 
 
+@pytest.mark.environment
+def test_hierarchical_dgc_moves_less_over_the_link_with_two_ranks_per_host(bed, tmp_path):
+    """The last table of `make cluster-bench`: 2 ranks per host (-H hostA:2,hostB:2), flat and
+    hierarchical DGC on ResNet-50's shapes. The veth's counters (hostA's side: all that crossed
+    the link) show the hierarchical exchange moving less than flat DGC, both far under dense,
+    and the table is printed."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), "--gloo", sys.executable,
+                           "benchmarks/synthetic_benchmark.py", "--model", "resnet50",
+                           "--compression", "dgc,dgc-hier", "--link-table", "--iface", "dgc0",
+                           "--warmup-steps", "1", "--steps", "1", "--bandwidth", "1gbit",
+                           "--json-out", str(out)],
+                          cwd=ROOT, env=dict(ENV, NP="4", HOSTS="hostA:2,hostB:2"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    r = json.loads(out.read_text())
+    assert r["hosts"] == ["hostA", "hostA", "hostB", "hostB"]
+    flat, hier = r["runs"]["dgc"], r["runs"]["dgc-hier"]
+
+    def link(run):
+        return run["iface_tx_bytes"] + run["iface_rx_bytes"]
+    assert 0 < link(hier) < 0.7 * link(flat) < r["dense_bytes"] / 10, (link(hier), link(flat))
+    assert hier["node_bytes"] > r["dense_bytes"] / 2        # the dense reduction inside the node
+    assert "link bytes/step, both ways (measured)" in proc.stdout
+
+
 @pytest.mark.unit
 def test_parse_rate():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
