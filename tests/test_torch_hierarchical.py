@@ -100,8 +100,9 @@ def test_clipping_uses_the_nodes_norm_with_N_the_nodes(run, op):
         assert min(r[wrong]) > 100 * max(r["err"]) and min(r[wrong]) > 1e-3, (wrong, r[wrong])
 
 
-def test_nonfinite_step_poisons_nothing(run):
-    r = run["nonfinite"]
+@pytest.mark.parametrize("key", ["nonfinite", "nonfinite_clip"])
+def test_nonfinite_step_poisons_nothing(run, key):
+    r = run[key]
     assert r["skipped"] == [step == 3 for step in range(8)]
     assert r["identical"] and r["params_finite"] and r["states_finite"]
     assert r["nonfinite_tensors"] > 0

@@ -166,11 +166,13 @@ def scenario_clip(results):
 
 
 def scenario_nonfinite(results):
-    """Rank 1's loss is NaN at step 3: the update is NaN everywhere, no state is poisoned."""
-    dgc = DGC(exchange="hierarchical", **SETTINGS)
-    model, opt = make("nf", dgc)
-    seen = train_with_nan(model, opt)
-    results["nonfinite"] = nonfinite_facts(dgc, model, seen)
+    """Rank 1's loss is NaN at step 3: the update is NaN everywhere, no state is poisoned;
+    without clipping and with clipping that triggers (the node's norm leaves the NaN out)."""
+    for key, clip in (("nonfinite", None), ("nonfinite_clip", 0.05)):
+        dgc = DGC(exchange="hierarchical", clip_norm=clip, **SETTINGS)
+        model, opt = make(key, dgc)
+        seen = train_with_nan(model, opt)
+        results[key] = nonfinite_facts(dgc, model, seen)
 
 
 def scenario_checkpoint(results):
