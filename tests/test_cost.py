@@ -103,3 +103,17 @@ def test_time_equations():
         cost.ring_allreduce_seconds(4, flat["allreduce"], beta, alpha)
         + 31 * flat["frame"] / beta + 31 * alpha)
     assert set(t) == set(cost.SCHEMES)
+
+
+def test_projection_script_prints_every_scheme_and_writes_the_png(tmp_path, capsys):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import hierarchical_cost
+    png = tmp_path / "p.png"
+    assert hierarchical_cost.main(["--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    for label in hierarchical_cost.LABELS.values():
+        # 3 links × 2 models in the time tables, 2 models in the bytes tables
+        assert out.count(f"| {label} |") == 8 and out.count(f"s | {label} |") == 6, label
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
