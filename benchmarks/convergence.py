@@ -829,7 +829,9 @@ def plot(meta, records, path):
                 if len(rs) > 1:
                     sd = ys.std(0, ddof=1)
                     ax.fill_between(x, mean - sd, mean + sd, color=colors[v], alpha=0.15, lw=0)
-                late += list(mean[len(mean) // 3:])
+                # a run whose perplexity overflowed (inf) without a non-finite loss is drawn
+                # where finite; the axis limits come from the finite values
+                late += [y for y in mean[len(mean) // 3:] if np.isfinite(y)]
                 if v.startswith("dgc"):
                     ax.axvline(warmup_steps_for(steps), color="gray", lw=0.6, ls=":")
             if late and task == "mnist":
