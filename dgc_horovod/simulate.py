@@ -170,7 +170,7 @@ class SimulatedCluster:
                     continue
                 segs.append(wire.frame_bucket(B, [(m, pay) for (m, _), pay in
                                                   zip(sparse, payloads)], like=payloads[0]))
-                core.add_wire_bytes(4 * len(sparse) + wire.BUCKET_HEADER_BYTES)
+                core.add_wire_bytes(wire.frame_overhead_bytes(len(sparse)))
             if core.needs_clip_scale:       # the adapter's gated exchange: one placeholder each
                 core.add_wire_bytes(PLACEHOLDER_BYTES * len(dense_k),
                                     received=PLACEHOLDER_BYTES * len(dense_k))
@@ -348,7 +348,7 @@ class SimulatedCluster:
 
         def frame(ps):      # a frame's bytes: header, then a word and the payload per part
             ps = [p for p in ps if p is not None]
-            return wire.BUCKET_HEADER_BYTES + sum(4 + 4 * B.numel(p) for p in ps) if ps else 0
+            return wire.frame_bytes([4 * B.numel(p) for p in ps]) if ps else 0
         to = [[frame(parts[k][n][j] for _, n, _ in members) for j in range(N)]
               for k in range(N)]
         owner = [frame(reduced[j][n][0] for _, n, _ in members) or wire.BUCKET_HEADER_BYTES

@@ -67,6 +67,27 @@ def test_bytes_across_nodes_at_most_one_over_L_of_flat(run):
     assert 0 < hier <= flat / 2, (hier, flat)
 
 
+def test_cost_model_predicts_the_measured_bytes(run):
+    """dgc_horovod/core/cost.py from the model's shapes and DGC's settings alone: the bytes a
+    node received from the other node per step (816 hierarchical, 2,976 allgather when
+    measured), and rank 0's own counts across and inside the node."""
+    from dgc_horovod.core import DGCConfig, cost
+    L, M = run["local_size"], run["cross_size"]
+    for exchange, model_of in (("hierarchical", cost.hierarchical_dgc_bytes),
+                               ("allgather", cost.flat_dgc_bytes)):
+        r = run["train"][exchange]
+        cfg = DGCConfig(exchange=exchange, environ={}, **run["settings"])
+        model = model_of([tuple(t) for t in r["tensors"]], cfg, cfg.compress_ratio, L, M)
+        assert model["node_cross_received"] == r["node_cross_received"], (exchange, model)
+        if exchange == "hierarchical":      # rank 0 is local rank 0: shard 0
+            st = r["stats"]
+            assert model["cross"][0] == st["cross_node_bytes"]
+            assert model["cross_received"][0] == st["cross_node_received_bytes"]
+            assert model["node"][0] == (st["node_bytes"], st["node_received_bytes"])
+        else:
+            assert model["frame"] == r["payload_bytes"]
+
+
 def test_statistics_split_inside_and_across(run):
     h = run["train"]["hierarchical"]
     st = h["stats"]

@@ -35,8 +35,8 @@ word. Padding words are zero, so equal selections give equal payloads on every e
 __all__ = ["MAGIC_V3", "BUCKET_MAGIC", "frame_bucket", "split_bucket", "BUCKET_HEADER_BYTES",
            "FLAG_NONFINITE", "HEADER_WORDS", "HEADER_BYTES", "MAX_NUMEL", "ESCAPE",
            "INDEX_ENCODINGS", "VALUE_DTYPES", "encode", "decode_sum", "read_payload",
-           "payload_words", "payload_bytes", "index_words", "value_words", "max_escapes",
-           "check_numel", "WireFormatError"]
+           "payload_words", "payload_bytes", "frame_bytes", "frame_overhead_bytes", "index_words",
+           "value_words", "max_escapes", "check_numel", "WireFormatError"]
 
 MAGIC_V3 = 0x44474303
 BUCKET_MAGIC = 0x44474342          # 'D' 'G' 'C' 'B'
@@ -80,6 +80,17 @@ def payload_words(numel, k, index="delta16", values="float32"):
 def payload_bytes(numel, k, index="delta16", values="float32"):
     """Bytes one rank puts on the wire for a tensor whose payloads have room for k entries."""
     return 4 * payload_words(numel, k, index, values)
+
+
+def frame_overhead_bytes(members):
+    """Bytes a bucket frame adds to its ``members`` payloads: its header and one member word
+    each (see :func:`frame_bucket`)."""
+    return BUCKET_HEADER_BYTES + 4 * members
+
+
+def frame_bytes(payload_sizes):
+    """Bytes of one rank's bucket frame holding payloads of ``payload_sizes`` bytes."""
+    return frame_overhead_bytes(len(payload_sizes)) + sum(payload_sizes)
 
 
 def check_numel(numel, name):

@@ -493,7 +493,7 @@ class Exchange:
         launch.words = segment.numel()
         # the member words and the header, counted after the payloads (compress_many counts a
         # step's first tensor, which starts the step's statistics)
-        self._core.add_wire_bytes(4 * len(framed) + wire.BUCKET_HEADER_BYTES)
+        self._core.add_wire_bytes(wire.frame_overhead_bytes(len(framed)))
 
     def receive(self, ticket, world_size):
         """(every rank's payloads for this tensor concatenated in rank order, how many, the

@@ -84,10 +84,13 @@ def scenario_train(results):
                  "finite": bool(torch.isfinite(flat_params(model)).all()),
                  "loss": [loss0, loss_of(model)], "steps": dgc.total_stats.steps,
                  "sparse": sorted((n, s.numel) for n, s in dgc.states.items() if s.sparse),
-                 "stats": st.to_dict()}
+                 "stats": st.to_dict(),
+                 # (name, numel, ndim) in plan order, for the cost model (core/cost.py)
+                 "tensors": [(n, p.numel(), p.dim()) for n, p in
+                             reversed(list(model.named_parameters()))]}
+        facts["payload_bytes"] = payload_bytes(dgc)
         if exchange == "hierarchical":
             received = st.cross_node_received_bytes
-            facts["payload_bytes"] = payload_bytes(dgc)
         else:   # what this rank received from the ranks of the other node
             received = across_nodes(payload_bytes(dgc))
         facts["node_cross_received"] = node_sum(received)
@@ -224,7 +227,7 @@ def main():
         hvd.init(process_sets="dynamic" if args.mode != "static" else None)
     torch.set_num_threads(1)
     results = {"size": hvd.size(), "local_size": hvd.local_size(),
-               "cross_size": hvd.cross_size()}
+               "cross_size": hvd.cross_size(), "settings": SETTINGS}
     if args.mode == "train":
         for scenario in (scenario_train, scenario_dense, scenario_clip, scenario_nonfinite,
                          scenario_checkpoint):
