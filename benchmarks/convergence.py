@@ -18,9 +18,10 @@ machine allow (Lin et al., *Deep Gradient Compression*, ICLR 2018):
 * **hier** (issue #40, N = 16, the headline's length): the hierarchical exchange with
   L = :data:`HIER_LOCAL_SIZE` ranks per node × M = N / L nodes (``DGCConfig(exchange=
   "hierarchical")``, ``SimulatedCluster(local_size=L)``: the DGC workers are the M nodes) against
-  dense and flat DGC with N workers. That exchange has no clipping yet, so it runs full DGC
-  without ``clip_norm``, and so does its control ``dgc_noclip`` (flat DGC, N workers). Its
-  wire-compression column is of the bytes that leave the node (wire_bytes − node_bytes).
+  dense and flat DGC with N workers: full DGC (``dgc_hier``, clipping with the nodes as the
+  workers, C·√M), and ``dgc_noclip`` (flat DGC without ``clip_norm``, from the time that exchange
+  had no clipping). Its wire-compression column is of the bytes that leave the node
+  (wire_bytes − node_bytes).
 
 Tasks (real data; :data:`SETTINGS` holds every number):
 
@@ -130,13 +131,12 @@ VARIANTS = {
     "dgc_tclip": ("full DGC, clipping per tensor", ("mnist", "lm")),
     "dgc_regions": ("full DGC, region exchange", ("mnist", "lm")),
     "dgc_noclip": ("full DGC without clipping", ("mnist", "lm")),
-    "dgc_hier": ("full DGC without clipping, hierarchical exchange", ("mnist", "lm")),
+    "dgc_hier": ("full DGC, hierarchical exchange", ("mnist", "lm")),
 }
 
 #: Ranks per node L of the ``dgc_hier`` variant (``DGCConfig(exchange="hierarchical")``,
 #: ``SimulatedCluster(local_size=L)``): N = L·M workers are M nodes of L, and the DGC workers are
-#: the M nodes. That exchange does not support clipping yet, so the variant is full DGC without
-#: ``clip_norm``; ``dgc_noclip`` is flat DGC without it, to tell the exchange from the clipping.
+#: the M nodes (clipping at C·√M); ``dgc_noclip`` is flat DGC without ``clip_norm``.
 HIER_LOCAL_SIZE = {"full": 4, "quick": 2}
 
 #: how the ablation ladder's table and legend name full DGC (its last rung)
@@ -249,7 +249,7 @@ def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None, clip
            "dgc_tclip": dict(full, clip_scope="tensor"),
            "dgc_regions": dict(full, exchange="regions"),
            "dgc_noclip": dict(full, clip_norm=None),
-           "dgc_hier": dict(full, exchange="hierarchical", clip_norm=None)}
+           "dgc_hier": dict(full, exchange="hierarchical")}
     kw = dict(ladder.get(variant) or dgc[variant], seed=seed,
               compress_ratio=COMPRESS_RATIO if compress_ratio is None else compress_ratio)
     opt_m = m if variant == "gd" else 0.0
