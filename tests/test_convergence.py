@@ -92,7 +92,7 @@ def test_quick_records_say_what_each_variant_trained(quick):
         assert r["wire"]["ratio"] > 5, r["wire"]
         full = v.startswith("dgc")
         assert d["warmup_steps"] == (C.warmup_steps_for(r["steps"]) if full else 0)
-        assert (d["clip_norm"] is not None) == (v not in ("gd", "mc", "dgc_noclip", "dgc_hier"))
+        assert (d["clip_norm"] is not None) == (v not in ("gd", "mc", "dgc_noclip"))
         # the hierarchical study: L = 2 ranks per node at --quick, the others flat
         assert d["exchange"] == ("hierarchical" if v == "dgc_hier" else "allgather")
         assert r["local_size"] == (C.HIER_LOCAL_SIZE["quick"] if v == "dgc_hier" else 1)
@@ -125,7 +125,7 @@ def test_quick_report_and_report_only(quick):
     # one table row per (task, N, variant) of each study
     assert md.count("| full DGC, clipping per tensor |") == 2
     assert md.count("| 4 | full DGC |") == 4        # headline and hierarchical study, N = 4
-    assert md.count("| 4 | full DGC without clipping, hierarchical exchange |") == 2
+    assert md.count("| 4 | full DGC, hierarchical exchange |") == 2
     assert md.count("| 2 | + warm-up (= full DGC) |") == 2      # the ladder's last rung, N = 2
     assert "Incomplete" not in md
     png = out / "convergence.png"
