@@ -22,6 +22,10 @@ machine allow (Lin et al., *Deep Gradient Compression*, ICLR 2018):
   workers, C·√M), and ``dgc_noclip`` (flat DGC without ``clip_norm``, from the time that exchange
   had no clipping). Its wire-compression column is of the bytes that leave the node
   (wire_bytes − node_bytes).
+* **beyond** (issue #42, N = 4 and 16, the headline's length): what beats the paper's own
+  accuracy at its density: ``dgc_sketch`` clips as dense training does (every rank by the same
+  factor min(1, C/‖ḡ‖), ‖ḡ‖ from a CountSketch, ``clip_scope="sketch"``) instead of the paper's
+  local rule at C·√N. Every run records how often and how much it clipped (``clipping``).
 
 Tasks (real data; :data:`SETTINGS` holds every number):
 
@@ -52,7 +56,8 @@ the ladder and the side studies are shorter (MNIST 1,040, LM 520 steps). On this
 one seed of the 22 runs before the hierarchical study took 7,426 s of run time (2026-12-02, two
 at a time, shared), so those take about 3 hours with --jobs 2, most of it the LM at N = 16 (about
 240 ms of CPU per DGC step); the hierarchical study adds 4 runs per seed at N = 16 (``dgc_noclip``
-and ``dgc_hier`` of both tasks; dense and ``dgc`` are the headline's). The report gives every
+and ``dgc_hier`` of both tasks; dense and ``dgc`` are the headline's), the beyond study 2 per seed
+and N (``dgc_sketch``). The report gives every
 run's steps and its steps at density 0.001.
 
     python benchmarks/convergence.py                    # the full study (make convergence)
@@ -132,6 +137,7 @@ VARIANTS = {
     "dgc_regions": ("full DGC, region exchange", ("mnist", "lm")),
     "dgc_noclip": ("full DGC without clipping", ("mnist", "lm")),
     "dgc_hier": ("full DGC, hierarchical exchange", ("mnist", "lm")),
+    "dgc_sketch": ("full DGC, dense clip from a sketch", ("mnist", "lm")),
 }
 
 #: Ranks per node L of the ``dgc_hier`` variant (``DGCConfig(exchange="hierarchical")``,
@@ -151,15 +157,19 @@ STUDIES = {
              ("dgc", "dgc_1d", "dgc_tclip")),
     "hier": ("Hierarchical exchange: L ranks per node × M nodes vs flat DGC with L·M workers",
              ("dense", "dgc", "dgc_noclip", "dgc_hier")),
+    "beyond": ("Beyond the paper (issue #42): the dense clip from a sketch",
+               ("dense", "dgc", "dgc_sketch")),
 }
 #: which of SETTINGS[task][mode]["steps"] a study's runs last
 STUDY_LENGTH = {"headline": "headline", "ablation": "ablation", "side": "ablation",
-                "hier": "headline"}
+                "hier": "headline", "beyond": "headline"}
 #: defaults of the full study and of --quick: tasks, seeds, and the numbers of workers per study
 FULL = dict(tasks=("mnist", "lm"), seeds=(0, 1, 2),
-            sizes={"headline": (4, 16), "ablation": (4,), "side": (4,), "hier": (16,)})
+            sizes={"headline": (4, 16), "ablation": (4,), "side": (4,), "hier": (16,),
+                   "beyond": (4, 16)})
 QUICK = dict(tasks=("mnist", "lm"), seeds=(0,),
-             sizes={"headline": (2, 4), "ablation": (2,), "side": (2,), "hier": (4,)})
+             sizes={"headline": (2, 4), "ablation": (2,), "side": (2,), "hier": (4,),
+                    "beyond": (2,)})
 
 
 def log(msg):
@@ -247,6 +257,7 @@ def variant_spec(task, variant, s, warmup_steps, seed, compress_ratio=None, clip
     full = dict(momentum=m, clip_norm=C, warmup_steps=warmup_steps)   # masking: default (True)
     dgc = {"dgc": full, "dgc_1d": dict(full, min_sparse_ndim=1),
            "dgc_tclip": dict(full, clip_scope="tensor"),
+           "dgc_sketch": dict(full, clip_scope="sketch"),
            "dgc_regions": dict(full, exchange="regions"),
            "dgc_noclip": dict(full, clip_norm=None),
            "dgc_hier": dict(full, exchange="hierarchical")}
@@ -479,6 +490,33 @@ TASKS = {"mnist": MnistTask, "lm": LmTask}
 
 
 # ============================================================================ one run
+class ClipLog:
+    """How often and how much a run clipped: per step the factors applied (dense: one, of
+    ``clip_grad_norm_``; DGC: each worker's, ``SimulatedCluster.clip_scales``)."""
+
+    def __init__(self):
+        self.factors, self.steps, self.clipped = 0, set(), []
+
+    def add(self, step, factors):
+        self.factors += len(factors)
+        for f in factors:
+            if f < 1.0:
+                self.clipped.append(float(f))
+                self.steps.add(step)
+
+    def summary(self):
+        """{factors, clipped (factors below 1), steps_clipped, first_step, last_step (0-based),
+        mean and min of the factors below 1}; None when nothing was logged."""
+        if not self.factors:
+            return None
+        c = self.clipped
+        return dict(factors=self.factors, clipped=len(c), steps_clipped=len(self.steps),
+                    first_step=min(self.steps) if c else None,
+                    last_step=max(self.steps) if c else None,
+                    mean_clipped=math.fsum(c) / len(c) if c else None,
+                    min_factor=min(c) if c else None)
+
+
 def run_key(r):
     return (r["task"], r["world_size"], r["variant"], r["seed"], r["steps"])
 
@@ -506,6 +544,7 @@ def train(job):
     cluster = SimulatedCluster(model, opt, N, config, local_size=L)
     evals = set(eval_steps(total, s["evals"]))
     curve, losses, at_warmup, diverged = [], [], None, None
+    clips = ClipLog()
     t0, c0 = time.perf_counter(), time.process_time()
     model.train()
     for step in range(total):
@@ -516,7 +555,10 @@ def train(job):
             g["lr"] = lr
         step_losses = cluster.backward(task.closures(model, step))
         if spec["dense_clip"] is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["dense_clip"])
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["dense_clip"]))
+            clips.add(step, [min(1.0, spec["dense_clip"] / (norm + 1e-6))])
+        elif cluster.clip_scales is not None:
+            clips.add(step, cluster.clip_scales)
         opt.step()
         loss = math.fsum(step_losses) / N
         losses.append(loss)
@@ -545,7 +587,7 @@ def train(job):
                seconds=seconds, seconds_per_step=seconds / final["step"], cpu_seconds=cpu_seconds,
                cpu_seconds_per_step=cpu_seconds / final["step"], diverged_at=diverged,
                finite=all(math.isfinite(c["metric"]) for c in curve),
-               description=task.describe(s, params))
+               clipping=clips.summary(), description=task.describe(s, params))
     if config is not None:
         tot = [c.total_stats for c in cluster.cores]
         # the hierarchical exchange's wire_bytes include its collectives inside the node: the

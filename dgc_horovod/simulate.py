@@ -6,7 +6,8 @@ under ``horovodrun`` (:mod:`dgc_horovod.torch`, :mod:`dgc_horovod.torch.exchange
 
 1. its local gradients (the caller's backward on the worker's own batch);
 2. with ``clip_norm`` and ``clip_scope="global"``: ``core.clip_scale`` over all of them, in plan
-   order;
+   order; with ``clip_scope="sketch"``: ``core.sketch`` of all of them in plan order, every
+   worker's factor ``core.clip_scale_of_sketches`` from the N sketches in rank order;
 3. every bucket of :func:`~dgc_horovod.core.buckets.plan_buckets`, in plan order:
    ``core.compress_many`` of its sparsified members, framed by ``wire.frame_bucket``; every
    dense member: ``core.compress`` (its momentum-corrected velocity);
@@ -42,6 +43,7 @@ import torch
 
 from dgc_horovod.core import PLACEHOLDER_BYTES, DGCConfig, DGCCore, hierarchical, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
+from dgc_horovod.core.sketch import sketch_bytes
 from dgc_horovod.backends.torch_backend import TorchBackend
 
 __all__ = ["SimulatedCluster"]
@@ -98,6 +100,9 @@ class SimulatedCluster:
                                         config.bucket_numel, config)
         else:
             self.buckets = []
+        #: the clipping factors of the last step, one per worker (clip_scope "global" or
+        #: "sketch"; the hierarchical exchange: each node's s_c for its workers), else None
+        self.clip_scales = None
 
     # ------------------------------------------------------------------ one step
     def backward(self, closures):
@@ -147,9 +152,12 @@ class SimulatedCluster:
         regional = self.config.exchange == "regions"
         # 1-3: every worker compresses, as its adapter would
         segments, contexts, dense = [], [], []
-        for core, g in zip(cores, grads):
-            scale = (core.clip_scale([g[n] for n, _ in self.params], N, avg)
-                     if core.needs_clip_scale else None)
+        scales = (self._sketch_scales(grads) if cores[0].needs_sketch else
+                  [core.clip_scale([g[n] for n, _ in self.params], N, avg)
+                   for core, g in zip(cores, grads)] if cores[0].needs_clip_scale else None)
+        self.clip_scales = scales
+        for k, (core, g) in enumerate(zip(cores, grads)):
+            scale = None if scales is None else scales[k]
             segs, ctxs, dense_k = [], {}, {}
             for members, flags in self.buckets:
                 sparse = [(m, n) for m, (n, s) in enumerate(zip(members, flags)) if s]
@@ -211,6 +219,18 @@ class SimulatedCluster:
                                         byname[n], wd)
         return out
 
+    def _sketch_scales(self, grads):
+        """``clip_scope="sketch"``: every worker's sketch of all of its gradients in plan order,
+        "allgathered" (each worker's factor from the N rows in rank order, as the adapter's
+        ``dgc.clip.sketch`` allgather gives them; the bytes counted as that allgather's)."""
+        N = self.world_size
+        rows = [core.sketch([(n, g[n]) for n, _ in self.params]).tolist()
+                for core, g in zip(self.cores, grads)]
+        sent, received = sketch_bytes(N)
+        for core in self.cores:
+            core.add_wire_bytes(sent, received=received)
+        return [core.clip_scale_of_sketches(rows, N, self.average) for core in self.cores]
+
     def _node_gradients(self, grads, name):
         """[G_c for each node c]: the node's reduction of ``name``'s gradients, flat float32,
         summed in rank order (× 1/L for Average), as Horovod's allreduce inside a node."""
@@ -259,6 +279,7 @@ class SimulatedCluster:
                    for name, p in self.params}
         scales = self._hier_scales(grads, sharded)
         clip = scales[0] is not None
+        self.clip_scales = [s for s in scales for _ in range(L)] if clip else None
         out, dense = {}, {}
         for name, p in self.params:
             n = p.numel()

@@ -83,6 +83,8 @@ def test_quick_records_say_what_each_variant_trained(quick):
             assert r["dgc"] is None and r["wire"]["ratio"] == 1.0
             assert r["optimizer_momentum"] == s["momentum"]
             assert r["dense_clip"] == (s["clip_norm"] if task == "lm" else None)
+            if task == "lm":        # the dense clip's factor of every step was logged
+                assert r["clipping"]["factors"] == r["steps_run"]
             continue
         d = r["dgc"]
         assert d["compress_ratio"] == 0.001 and r["dense_clip"] is None
@@ -98,7 +100,14 @@ def test_quick_records_say_what_each_variant_trained(quick):
         assert r["local_size"] == (C.HIER_LOCAL_SIZE["quick"] if v == "dgc_hier" else 1)
         assert d["momentum_masking"] == (v in ("mask",) or full)
         assert d["min_sparse_ndim"] == (1 if v == "dgc_1d" else 2)
-        assert d["clip_scope"] == ("tensor" if v == "dgc_tclip" else "global")
+        assert d["clip_scope"] == {"dgc_tclip": "tensor", "dgc_sketch": "sketch"}.get(v, "global")
+        # how often and how much each run clipped: every worker-step's factor was logged
+        c = r["clipping"]
+        if d["clip_norm"] is None or d["clip_scope"] == "tensor":
+            assert c is None
+        else:
+            assert c["factors"] == r["steps_run"] * r["world_size"]
+            assert c["clipped"] == 0 or 0 <= c["min_factor"] <= c["mean_clipped"] < 1
         if task == "lm":                     # vanilla SGD: DGC is error feedback, no momentum
             assert d["momentum"] == 0.0 and r["optimizer_momentum"] == 0.0
         elif v == "gd":                      # momentum after the exchange

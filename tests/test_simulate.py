@@ -25,6 +25,10 @@ CONFIGS = {
     # several buckets, every tensor sparsified, per-tensor clipping, Nesterov
     "buckets": dict(compress_ratio=0.02, bucket_numel=1500, min_sparse_ndim=1, clip_norm=0.1,
                     clip_scope="tensor", nesterov=True, warmup_steps=8),
+    # the dense clip from the ranks' sketches (issue #42): an allgather of the sketches, every
+    # rank's factor from the rows in rank order
+    "sketch_clip": dict(compress_ratio=0.01, clip_norm=0.05, clip_scope="sketch",
+                        weight_decay=1e-3, warmup_steps=12),
 }
 # the same with the region exchange, and once with one exchange per tensor
 REGION_CONFIGS = {"regions_" + k: dict(v, exchange="regions") for k, v in CONFIGS.items()}
@@ -53,6 +57,7 @@ def simulated(kwargs, world_size=2, local_size=1):
 @pytest.mark.horovodrun
 @pytest.mark.parametrize("launcher,name,np", [
     ("gloo", "global_clip", 2), ("mpi", "global_clip", 2), ("gloo", "buckets", 2),
+    ("gloo", "sketch_clip", 2), ("mpi", "sketch_clip", 2), ("gloo", "regions_sketch_clip", 2),
     # 3 ranks only where every tensor is sparsified: Horovod's dense allreduce of 3 tensors
     # adds in another order than the simulator's rank order (the last bit differs)
     ("gloo", "regions_global_clip", 2), ("mpi", "regions_buckets", 3),
@@ -212,7 +217,8 @@ def test_received_bytes_are_the_other_workers_payloads(one_thread, name):
     for step in range(steps):
         cluster.backward([lambda k=k: W.loss_of(model, k, step) for k in range(N)])
         opt.step()
-    gated = config.clip_norm is not None and config.clip_scope == "global"
+    gated = config.clip_norm is not None and config.clip_scope in ("global", "sketch")
+    # (the sketches' allgather, clip_scope="sketch", counts as the buckets' allgathers do)
     allreduced = steps * sum(4 if st.sparse else 4 * st.numel + 4 * gated
                              for st in cluster.cores[0].states.values())
     allgathered = [c.total_stats.wire_bytes - allreduced for c in cluster.cores]

@@ -63,6 +63,7 @@ import warnings
 from dgc_horovod.core.accumulate import (add_weight_decay, clip_by_local_norm, clip_factor,
                                          clip_threshold, momentum_correction, restore_sent,
                                          squared_norm, weight_decay_momentum)
+from dgc_horovod.core import sketch as _sketch
 from dgc_horovod.core.checkpoint import STATE_DICT_VERSION, FitCheck
 from dgc_horovod.core.config import DGCConfig
 from dgc_horovod.core.driver import BucketDriver
@@ -111,6 +112,7 @@ class DGCCore:
         self.epoch = 0.0
         self._lock = threading.Lock()
         self._region_sums = {}      # exchange="regions": name -> zeros of this rank's region
+        self._sketch_codes = {}     # clip_scope="sketch": name -> int32 codes (core.sketch)
         self._stats = StatsRecorder()
         self._engines = {}      # name -> engine (BucketDriver.engine_for)
         self._steps = 0         # optimizer steps begun (the warm-up position counts them)
@@ -482,8 +484,43 @@ class DGCCore:
 
     @property
     def needs_clip_scale(self):
-        """True when compress needs the step's ``clip_scale`` (clip_norm with global scope)."""
-        return self.config.clip_norm is not None and self.config.clip_scope == "global"
+        """True when compress needs the step's ``clip_scale`` (clip_norm with scope "global" or
+        "sketch")."""
+        return self.config.clip_norm is not None and self.config.clip_scope != "tensor"
+
+    @property
+    def needs_sketch(self):
+        """True when the step's ``clip_scale`` comes from the ranks' sketches
+        (``clip_scope="sketch"``: :meth:`sketch`, an allgather, :meth:`clip_scale_of_sketches`)."""
+        return self.config.clip_norm is not None and self.config.clip_scope == "sketch"
+
+    def sketch(self, named_grads):
+        """R_k, this rank's float32 sketch (:data:`~dgc_horovod.core.sketch.WIDTH`,) of the
+        step's gradients: ``named_grads`` (name, gradient) of all of them, dense and sparsified,
+        in plan order (:func:`~dgc_horovod.core.sketch.sketch`; tensors with NaN/Inf left out).
+        Each tensor's codes are computed once and kept (4 bytes per element)."""
+        B, entries = self.B, []
+        for name, g in named_grads:
+            n = B.numel(g)
+            c = self._sketch_codes.get(name)
+            if c is None or B.numel(c) != n:
+                c = B.to_int32(_sketch.codes(B, name, n, g))
+                self._sketch_codes[name] = c
+            entries.append((g, c))
+        return _sketch.sketch(B, entries, named_grads[0][1])
+
+    def clip_scale_of_sketches(self, rows, world_size, average=True):
+        """The dense clip factor of the step from the N ranks' sketches ``rows`` (rank order):
+        s = min(1, C / (‖ḡ‖/S + 1e-6)) with ‖ḡ‖ = √Q/N under Average, √Q under Sum
+        (:func:`~dgc_horovod.core.sketch.estimate`; S the loss scale): the same on every rank.
+        1.0 when clip_norm is None."""
+        c = self.config
+        if c.clip_norm is None:
+            return 1.0
+        norm = math.sqrt(_sketch.estimate(rows))
+        if average:
+            norm /= world_size
+        return clip_factor(norm / self.loss_scale, c.clip_norm)
 
     def clip_scale(self, grads, world_size, average=True):
         """This rank's local clipping factor of the step (§3.2, ``clip_scope="global"``).
@@ -496,6 +533,10 @@ class DGCCore:
         ``clip_grad_norm_(C)`` of the averaged gradient. 1.0 when clip_norm is None. Under a
         loss scale S (:meth:`set_loss_scale`) the unscaled norm ‖G_k‖/S is compared with T.
         """
+        if self.needs_sketch:
+            raise ValueError("DGC: clip_scope='sketch' takes its factor from the ranks' "
+                             "sketches: core.sketch(...), an allgather, "
+                             "core.clip_scale_of_sketches(...), not clip_scale")
         return self.clip_scale_of_squares([squared_norm(self.B, grads)], world_size, average)
 
     def clip_scale_of_squares(self, squares, world_size, average=True):

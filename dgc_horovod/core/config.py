@@ -98,7 +98,7 @@ def _warmup_epochs(name, value):
 _BOOL_FORM = "a boolean: 1, true, yes, on or 0, false, no, off"
 _INDEX = ("delta16", "int32")
 _VALUES = ("float32", "float16")
-_CLIP_SCOPES = ("global", "tensor")
+_CLIP_SCOPES = ("global", "tensor", "sketch")
 _WD_MODES = ("separate", "accumulated")
 _EXCHANGES = ("allgather", "regions", "hierarchical")
 _ENGINES = ("auto", "c", "triton", "ops")
@@ -118,7 +118,7 @@ _OPTIONS = {
     "clip_norm": (None, _clip_norm, _parse_optional_float,
                   "a finite float > 0, or none to disable clipping"),
     "clip_scope": ("global", lambda n, v: _check_choice(n, v, _CLIP_SCOPES), str.lower,
-                   "one of global, tensor"),
+                   "one of global, tensor, sketch"),
     "weight_decay": (0.0, _check_nonneg, float, "a finite float >= 0"),
     "weight_decay_mode": ("separate", lambda n, v: _check_choice(n, v, _WD_MODES), str.lower,
                           "one of separate, accumulated"),
@@ -190,7 +190,13 @@ class DGCConfig:
             tensor is scaled alike and the update keeps its direction; the PyTorch adapter then
             compresses a step's buckets once its last gradient has arrived. "tensor": each
             tensor is clipped by its own norm against the same threshold (no waiting, but the
-            update's direction changes).
+            update's direction changes). "sketch" (PyTorch, experimental, issue #42): the
+            dense rule instead of the paper's: every rank scales its gradient by the same
+            factor min(1, C/‖ḡ‖), ‖ḡ‖ the norm of the reduced gradient estimated from a
+            CountSketch of each rank's gradients (one allgather of 2 KB per rank and step;
+            equations: :mod:`dgc_horovod.core.sketch`), so that what the ranks sum is clipped
+            as ``clip_grad_norm_(C)`` clips it in dense training. Waits for the step's last
+            gradient as "global" does.
         weight_decay (float): L2 weight decay λ handled by DGC (set the wrapped optimizer's
             weight_decay to 0 when using it). How: ``weight_decay_mode``.
         weight_decay_mode (str): "separate" (default, the authors' reference code, DGCSGD):
@@ -336,10 +342,12 @@ class DGCConfig:
             raise ValueError("nesterov=True needs momentum > 0"
                              + self._from("nesterov", "momentum"))
         if self.exchange == "hierarchical" and self.clip_norm is not None \
-                and self.clip_scope == "tensor":
-            raise ValueError("clip_scope='tensor' is not available with exchange='hierarchical' "
-                             "(each rank holds a shard of a tensor, not its norm); use "
-                             "clip_scope='global', the paper's rule, or clip_norm=None"
+                and self.clip_scope != "global":
+            why = ("each rank holds a shard of a tensor, not its norm"
+                   if self.clip_scope == "tensor" else "not implemented for this exchange yet")
+            raise ValueError(f"clip_scope={self.clip_scope!r} is not available with "
+                             f"exchange='hierarchical' ({why}); use clip_scope='global', the "
+                             "paper's rule, or clip_norm=None"
                              + self._from("clip_scope", "exchange"))
 
     @classmethod

@@ -131,6 +131,10 @@ class DGC(DGCAdapter, Compressor):
                              "in_graph=True TensorFlow places DGC's ops")
         super().__init__(config, TFBackend() if in_graph else make_backend(device),
                          GraphCore if in_graph else DGCCore, **kwargs)
+        if self._core.needs_sketch:
+            raise ValueError("DGC: clip_scope='sketch' is available in PyTorch only (so far); "
+                             "in TensorFlow use clip_scope='global' (the paper's rule) or "
+                             "'tensor'" + self.config._from("clip_scope"))
         self._host = Host(self._core.B)
         self._names = StateNames()
         self._models = ComparedModels()     # variable lists already compared across ranks

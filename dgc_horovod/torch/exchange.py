@@ -18,7 +18,9 @@ Global clipping (``clip_norm`` with ``clip_scope="global"``, the paper's rule) n
 all of a rank's gradients of the step before any of them is accumulated. The exchange is then
 *gated*: every gradient of the step, dense ones included, is recorded; when the last one
 arrives (or at synchronize), the rank's clipping factor is computed over all of them in plan
-order (``DGCCore.clip_scale``), the buckets are compressed in plan order and allgathered, and
+order (``DGCCore.clip_scale``; with ``clip_scope="sketch"`` from every rank's ``DGCCore.sketch``
+allgathered as ``dgc.clip.sketch``, ``DGCCore.clip_scale_of_sketches``: the same factor on every
+rank), the buckets are compressed in plan order and allgathered, and
 the dense tensors' velocities go out by DGC's own ``hvd.allreduce_async`` (Horovod's allreduce
 then carries a 1-element placeholder for them too). The cost: no bucket starts before backward
 ends, so exchange no longer overlaps with backward. When the plan is made (the first
@@ -61,6 +63,7 @@ import torch
 from dgc_horovod.adapter import check_same_model
 from dgc_horovod.core import PLACEHOLDER_BYTES, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
+from dgc_horovod.core.sketch import sketch_bytes
 from dgc_horovod.torch.params import reduced_parameters
 
 __all__ = ["Exchange", "Pending"]
@@ -435,8 +438,15 @@ class Exchange:
         opt, plan, names = self._plans[id(gate.opt)]
         core, ps = self._core, gate.process_set
         world = ps.size()
-        grads = [gate.arrived[n] for n in names if n in gate.arrived]
-        scale = core.clip_scale(grads, world, gate.average)
+        if core.needs_sketch:           # the dense clip: the ranks' sketches, allgathered
+            mine = core.sketch([(n, gate.arrived[n]) for n in names if n in gate.arrived])
+            rows = hvd.allgather(mine.view(1, -1), name="dgc.clip.sketch", process_set=ps)
+            scale = core.clip_scale_of_sketches(rows.tolist(), world, gate.average)
+            sent, received = sketch_bytes(world)
+            core.add_wire_bytes(sent, received=received)
+        else:
+            grads = [gate.arrived[n] for n in names if n in gate.arrived]
+            scale = core.clip_scale(grads, world, gate.average)
         started = set()
         for n in names:
             bucket = plan[n][0]
