@@ -753,6 +753,28 @@ def _study_rows(meta, records, study, task):
     return rows
 
 
+def _clip_rows(records, task):
+    """Table rows (markdown): how often and how much each (N, variant, steps) clipped, summed
+    over its seeds (runs recorded before the clipping log have none)."""
+    groups = {}
+    for r in records:
+        if r["task"] == task and r.get("clipping"):
+            groups.setdefault((r["world_size"], r["variant"], r["steps"]), []).append(r)
+    rows = []
+    for (N, v, steps), rs in sorted(groups.items()):
+        cs = [r["clipping"] for r in rs]
+        clipped = [c for c in cs if c["clipped"]]
+        factors, n = sum(c["factors"] for c in cs), sum(c["clipped"] for c in cs)
+        mean = (math.fsum(c["mean_clipped"] * c["clipped"] for c in clipped) / n) if n else None
+        rows.append(
+            f"| {N} | {VARIANTS[v][0]} | {steps:,} | {len(rs)} | {n:,} / {factors:,} | "
+            f"{' / '.join(str(c['steps_clipped']) for c in cs)} | "
+            + (f"{min(c['first_step'] for c in clipped)}–{max(c['last_step'] for c in clipped)} | "
+               f"{mean:.3f} | {min(c['min_factor'] for c in clipped):.3f} |" if n
+               else "— | — | — |"))
+    return rows
+
+
 def write_markdown(meta, records, path, png_name):
     """The report: every number in it comes from ``meta`` and ``records``."""
     planned, done = meta["planned_runs"], len(records)
@@ -806,6 +828,16 @@ def write_markdown(meta, records, path, png_name):
                       "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|" + ("---:|" if task == "lm"
                                                                      else "")]
             lines += rows + [""]
+        clip = _clip_rows(records, task)
+        if clip:
+            lines += ["### How often and how much each run clipped", "",
+                      "Factors: one per step for dense (`clip_grad_norm_` of the averaged "
+                      "gradient), one per worker and step for DGC; clipped: those below 1, "
+                      "summed over the seeds; steps clipped per seed; the first and last step "
+                      "(0-based) any seed clipped; the mean and the smallest factor below 1.", "",
+                      "| N | variant | steps | seeds | clipped / factors | steps clipped "
+                      "(per seed) | first–last step | mean factor | min factor |",
+                      "|---:|---|---:|---:|---:|---|---|---:|---:|"] + clip + [""]
     out = meta["out_dir"]
     out = os.path.relpath(out, ROOT) if out.startswith(ROOT + os.sep) else out
     lines += [

@@ -179,3 +179,16 @@ def test_gpu_check_runs_at_tiny_sizes_on_cpu():
     for part in ("1. conformance", "2. time per step", "3. launches", "4. simulated cluster"):
         assert part in out, out
     assert "FAIL" not in out and "0 host reads" in out
+
+
+@pytest.mark.unit
+def test_sketch_cost_prints_a_row_per_model(capsys):
+    """benchmarks/sketch_cost.py: a row per model with the sketch's time beside the global
+    clip's, and an estimate error within the sketch's stated bound (W = 512: 3.1% of the norm
+    per standard deviation)."""
+    import sketch_cost
+    sketch_cost.main(["--models", "mnist_cnn", "--rounds", "1", "--draws", "3"])
+    row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| mnist_cnn")]
+    assert len(row) == 1 and "2,048 / 6,144" in row[0]
+    worst = float(row[0].rstrip(" |").split("(")[-1].rstrip("%)"))
+    assert worst < 15, row

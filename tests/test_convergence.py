@@ -133,8 +133,11 @@ def test_quick_report_and_report_only(quick):
         assert f"### {study[0]}" in md
     # one table row per (task, N, variant) of each study
     assert md.count("| full DGC, clipping per tensor |") == 2
-    assert md.count("| 4 | full DGC |") == 4        # headline and hierarchical study, N = 4
-    assert md.count("| 4 | full DGC, hierarchical exchange |") == 2
+    # headline and hierarchical study, N = 4, and the clipping table of each task
+    assert md.count("| 4 | full DGC |") == 6
+    assert md.count("### How often and how much each run clipped") == 2
+    assert md.count("| 2 | full DGC, dense clip from a sketch |") == 4     # beyond + clipping
+    assert md.count("| 4 | full DGC, hierarchical exchange |") == 4     # and its clipping
     assert md.count("| 2 | + warm-up (= full DGC) |") == 2      # the ladder's last rung, N = 2
     assert "Incomplete" not in md
     png = out / "convergence.png"

@@ -57,6 +57,13 @@ def test_loss_scaler_is_refused_with_the_reason():
         DGC(loss_scaler=tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD()))
 
 
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_sketch_clipping_is_refused_as_pytorch_only(in_graph):
+    with pytest.raises(ValueError, match="clip_scope='sketch' is available in PyTorch only"):
+        DGC(clip_norm=1.0, clip_scope="sketch", in_graph=in_graph)
+    DGC(clip_scope="sketch", in_graph=in_graph)             # no clip_norm: nothing to refuse
+
+
 def test_backend_follows_the_device():
     """By default DGC's work is traced into the graph (state in tf.Variables). With
     in_graph=False, without a GPU the core runs on NumPy arrays (its engine: the C kernels, as
