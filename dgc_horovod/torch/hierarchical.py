@@ -37,6 +37,16 @@ other tensor's velocity, from this rank's own gradient with s_c, goes out by DGC
 ``hvd.allreduce_async`` over every rank (``dgc.dense.<name>``).
 
 Statistics: :meth:`DGCCore.count_hierarchical` (``node_*`` and ``cross_node_*`` fields).
+
+Horovod Elastic: every reset (and every restore) replaces the :class:`Hierarchical` of the DGC
+(``DGC._drop_pending``), so the first step of the new world makes the layout again: Horovod's
+new view allgathered, the process sets registered anew in the new Horovod session (a reset
+starts Horovod with the global set only; ``hvd.init(process_sets="dynamic")`` set
+``HOROVOD_DYNAMIC_PROCESS_SETS=1``, which every re-initialization reads), and each rank's shard
+state, dropped by the reset rule, rebuilt from zero for its shard of the new layout. A world of
+unequal nodes (e.g. a discovery script that lists 2 slots on one host and 1 on another) gets the
+ValueError at its first step on every rank, saying so. Horovod 0.28.1 itself does not survive a
+worker that crashes while process sets other than the global one exist (docs/reliability.md).
 """
 import os
 import threading
@@ -44,6 +54,7 @@ import threading
 import horovod.torch as hvd
 import torch
 
+from dgc_horovod.adapter import under_elastic
 from dgc_horovod.core import PLACEHOLDER_BYTES, hierarchical
 from dgc_horovod.torch.exchange import _wait
 from dgc_horovod.torch.params import reduced_parameters
@@ -133,7 +144,15 @@ def make_layout(process_set):
     row = torch.tensor([[hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
                          hvd.cross_size()]], dtype=torch.int64)
     rows = hvd.allgather(row, name="dgc.hierarchical.layout").tolist()
-    nodes, crosses = hierarchical.node_layout(rows)
+    try:
+        nodes, crosses = hierarchical.node_layout(rows)
+    except ValueError as e:
+        if not under_elastic():
+            raise
+        raise ValueError(
+            f"{e}. Under Horovod Elastic the nodes are what the host discovery script lists "
+            f"now (this world: {hvd.size()} ranks, after a reset): list the same number of "
+            "slots for every host") from None
     existing = _existing_sets()
     everyone = tuple(range(hvd.size()))
     missing = [s for s in nodes + crosses if tuple(s) != everyone and tuple(s) not in existing]
