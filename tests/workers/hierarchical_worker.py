@@ -10,6 +10,7 @@ any.
 """
 import argparse
 import json
+import socket
 import sys
 
 import horovod.torch as hvd
@@ -227,7 +228,11 @@ def main():
         hvd.init(process_sets="dynamic" if args.mode != "static" else None)
     torch.set_num_threads(1)
     results = {"size": hvd.size(), "local_size": hvd.local_size(),
-               "cross_size": hvd.cross_size(), "settings": SETTINGS}
+               "cross_size": hvd.cross_size(), "settings": SETTINGS,
+               # which controller Horovod runs on, and each rank's host (the two-host bed's MPI
+               # test asserts that the job is MPI across hostA and hostB)
+               "controller": "mpi" if hvd.mpi_enabled() else "gloo",
+               "hosts": hvd.allgather_object(socket.gethostname(), name="check.hosts")}
     if args.mode == "train":
         for scenario in (scenario_train, scenario_dense, scenario_clip, scenario_nonfinite,
                          scenario_checkpoint):
