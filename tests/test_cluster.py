@@ -57,6 +57,16 @@ def sh(script, *args, env=None, timeout=120, check=True):
     return proc
 
 
+def bed_job(launcher, *cmd, env=None, timeout=600):
+    """`scripts/cluster/run.sh --gloo|--mpi CMD...` on the bed (``env``: NP, HOSTS, ...); the test
+    fails with the job's output unless it exits 0."""
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), f"--{launcher}", *cmd],
+                          cwd=ROOT, env=dict(ENV, **(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
 def ip(*args):
     return subprocess.run(["ip", *args], capture_output=True, text=True).stdout
 
@@ -137,10 +147,8 @@ def test_job_over_ssh_goes_over_the_veth(bed, launcher, tmp_path):
     out = tmp_path / "result.json"
     before = {(ns, dev, k): counter(ns, dev, k) for ns in NS for dev in ("dgc0", "lo")
               for k in ("tx_bytes", "rx_bytes")}
-    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), f"--{launcher}", sys.executable,
-                           "tests/workers/cluster_worker.py", "--out", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    bed_job(launcher, sys.executable, "tests/workers/cluster_worker.py", "--out", str(out),
+            timeout=300)
     delta = {k: counter(*k) - v for k, v in before.items()}
     r = json.loads(out.read_text())
     assert r["hosts"] == ["hostA", "hostB"] and r["size"] == 2
@@ -165,13 +173,10 @@ def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
     own counter (dense: the whole fp32 gradient set per rank per step; DGC: far less; the DDP
     peers in the same job, dense and PowerSGD, over the same veth)."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), "--gloo", sys.executable,
-                           "benchmarks/synthetic_benchmark.py", "--model", "resnet50",
-                           "--compression", "none,dgc,ddp,ddp-powersgd1", "--compress-ratio",
-                           "0.001", "--warmup-steps", "1", "--steps", "1",
-                           "--bandwidth", "1gbit", "--json-out", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = bed_job("gloo", sys.executable, "benchmarks/synthetic_benchmark.py", "--model",
+                   "resnet50", "--compression", "none,dgc,ddp,ddp-powersgd1", "--compress-ratio",
+                   "0.001", "--warmup-steps", "1", "--steps", "1", "--bandwidth", "1gbit",
+                   "--json-out", str(out))
     r = json.loads(out.read_text())
     assert r["hosts"] == ["hostA", "hostB"] and r["iface"] == "dgc0"
     dense, dgc = r["runs"]["none"], r["runs"]["dgc"]
@@ -206,14 +211,10 @@ def test_hierarchical_dgc_moves_less_over_the_link_with_two_ranks_per_host(bed, 
     the link) show the hierarchical exchange moving less than flat DGC, both far under dense,
     and the table is printed."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), "--gloo", sys.executable,
-                           "benchmarks/synthetic_benchmark.py", "--model", "resnet50",
-                           "--compression", "dgc,dgc-hier", "--link-table", "--iface", "dgc0",
-                           "--warmup-steps", "1", "--steps", "1", "--bandwidth", "1gbit",
-                           "--json-out", str(out)],
-                          cwd=ROOT, env=dict(ENV, NP="4", HOSTS="hostA:2,hostB:2"),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = bed_job("gloo", sys.executable, "benchmarks/synthetic_benchmark.py", "--model",
+                   "resnet50", "--compression", "dgc,dgc-hier", "--link-table", "--iface", "dgc0",
+                   "--warmup-steps", "1", "--steps", "1", "--bandwidth", "1gbit",
+                   "--json-out", str(out), env={"NP": "4", "HOSTS": "hostA:2,hostB:2"})
     r = json.loads(out.read_text())
     assert r["hosts"] == ["hostA", "hostA", "hostB", "hostB"]
     flat, hier = r["runs"]["dgc"], r["runs"]["dgc-hier"]
