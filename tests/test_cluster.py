@@ -1,9 +1,10 @@
 """The two-host test bed (scripts/cluster/): set-up, tear-down, and real jobs over ssh across it.
 
 Two network namespaces joined by a tc-shaped veth pair, an sshd in each, and `horovodrun -np 2
--H hostA:1,hostB:1` started from hostA over ssh with Gloo and with MPI. The tests use their own
-instance (DGC_CLUSTER_NAME=dgctest, subnet 10.78.0), so they neither see nor disturb a test bed
-brought up with `make cluster-up`. They need root, `ip netns`, tc and sshd (scripts/install.sh
+-H hostA:1,hostB:1` started from hostA over ssh with Gloo and with MPI; with 2 ranks per host
+(-H hostA:2,hostB:2), DGC(exchange="hierarchical") with both, MPI seeing two nodes of two. The
+tests use their own instance (DGC_CLUSTER_NAME=dgctest, subnet 10.78.0), so they neither see nor
+disturb a test bed brought up with `make cluster-up`. They need root, `ip netns`, tc and sshd (scripts/install.sh
 installs iproute2 and openssh-server); without them they skip and say which is missing.
 """
 import glob

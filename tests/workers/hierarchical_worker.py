@@ -1,5 +1,7 @@
 """Runs under `horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo` (2 nodes of 2 ranks as
-Horovod sees them): DGC(exchange="hierarchical") with the stock horovod.torch.DistributedOptimizer.
+Horovod sees them), and under `--mpi -H hostA:2,hostB:2` across the two-host bed
+(tests/test_cluster.py): DGC(exchange="hierarchical") with the stock
+horovod.torch.DistributedOptimizer.
 
 ``--mode train`` (Horovod with dynamic process sets) records what tests/test_torch_hierarchical.py
 asserts on; rank 0 writes it as JSON to --out. ``--mode static`` starts Horovod without dynamic
