@@ -4,8 +4,9 @@ Two network namespaces joined by a tc-shaped veth pair, an sshd in each, and `ho
 -H hostA:1,hostB:1` started from hostA over ssh with Gloo and with MPI; with 2 ranks per host
 (-H hostA:2,hostB:2), DGC(exchange="hierarchical") with both, MPI seeing two nodes of two. The
 tests use their own instance (DGC_CLUSTER_NAME=dgctest, subnet 10.78.0), so they neither see nor
-disturb a test bed brought up with `make cluster-up`. They need root, `ip netns`, tc and sshd (scripts/install.sh
-installs iproute2 and openssh-server); without them they skip and say which is missing.
+disturb a test bed brought up with `make cluster-up`. They need root, `ip netns`, tc and sshd
+(scripts/install.sh installs iproute2 and openssh-server); without them they skip and say which
+is missing.
 """
 import glob
 import json
