@@ -1,10 +1,12 @@
 """The two-host test bed (scripts/cluster/): set-up, tear-down, and real jobs over ssh across it.
 
 Two network namespaces joined by a tc-shaped veth pair, an sshd in each, and `horovodrun -np 2
--H hostA:1,hostB:1` started from hostA over ssh with Gloo and with MPI. The tests use their own
-instance (DGC_CLUSTER_NAME=dgctest, subnet 10.78.0), so they neither see nor disturb a test bed
-brought up with `make cluster-up`. They need root, `ip netns`, tc and sshd (scripts/install.sh
-installs iproute2 and openssh-server); without them they skip and say which is missing.
+-H hostA:1,hostB:1` started from hostA over ssh with Gloo and with MPI; with 2 ranks per host
+(-H hostA:2,hostB:2), DGC(exchange="hierarchical") with both, MPI seeing two nodes of two. The
+tests use their own instance (DGC_CLUSTER_NAME=dgctest, subnet 10.78.0), so they neither see nor
+disturb a test bed brought up with `make cluster-up`. They need root, `ip netns`, tc and sshd
+(scripts/install.sh installs iproute2 and openssh-server); without them they skip and say which
+is missing.
 """
 import glob
 import json
@@ -54,6 +56,16 @@ def sh(script, *args, env=None, timeout=120, check=True):
     if check and proc.returncode != 0:
         pytest.fail(f"{script} {' '.join(args)} exited {proc.returncode}:\n"
                     f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def bed_job(launcher, *cmd, env=None, timeout=600):
+    """`scripts/cluster/run.sh --gloo|--mpi CMD...` on the bed (``env``: NP, HOSTS, ...); the test
+    fails with the job's output unless it exits 0."""
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), f"--{launcher}", *cmd],
+                          cwd=ROOT, env=dict(ENV, **(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 
 
@@ -122,6 +134,10 @@ def test_up_twice_down_twice_leaves_nothing():
     assert leftovers() == []
 
 
+#: 2 ranks on each host: with either launcher Horovod sees 2 nodes of 2 ranks
+TWO_PER_HOST = {"NP": "4", "HOSTS": "hostA:2,hostB:2"}
+
+
 @pytest.fixture(scope="module")
 def bed():
     assert not leftovers(), f"left over from an earlier run: {leftovers()}"
@@ -137,10 +153,8 @@ def test_job_over_ssh_goes_over_the_veth(bed, launcher, tmp_path):
     out = tmp_path / "result.json"
     before = {(ns, dev, k): counter(ns, dev, k) for ns in NS for dev in ("dgc0", "lo")
               for k in ("tx_bytes", "rx_bytes")}
-    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), f"--{launcher}", sys.executable,
-                           "tests/workers/cluster_worker.py", "--out", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    bed_job(launcher, sys.executable, "tests/workers/cluster_worker.py", "--out", str(out),
+            timeout=300)
     delta = {k: counter(*k) - v for k, v in before.items()}
     r = json.loads(out.read_text())
     assert r["hosts"] == ["hostA", "hostB"] and r["size"] == 2
@@ -165,13 +179,10 @@ def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
     own counter (dense: the whole fp32 gradient set per rank per step; DGC: far less; the DDP
     peers in the same job, dense and PowerSGD, over the same veth)."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), "--gloo", sys.executable,
-                           "benchmarks/synthetic_benchmark.py", "--model", "resnet50",
-                           "--compression", "none,dgc,ddp,ddp-powersgd1", "--compress-ratio",
-                           "0.001", "--warmup-steps", "1", "--steps", "1",
-                           "--bandwidth", "1gbit", "--json-out", str(out)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = bed_job("gloo", sys.executable, "benchmarks/synthetic_benchmark.py", "--model",
+                   "resnet50", "--compression", "none,dgc,ddp,ddp-powersgd1", "--compress-ratio",
+                   "0.001", "--warmup-steps", "1", "--steps", "1", "--bandwidth", "1gbit",
+                   "--json-out", str(out))
     r = json.loads(out.read_text())
     assert r["hosts"] == ["hostA", "hostB"] and r["iface"] == "dgc0"
     dense, dgc = r["runs"]["none"], r["runs"]["dgc"]
@@ -200,20 +211,19 @@ def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
 
 
 @pytest.mark.environment
-def test_hierarchical_dgc_moves_less_over_the_link_with_two_ranks_per_host(bed, tmp_path):
+@pytest.mark.parametrize("launcher", ["gloo", "mpi"])
+def test_hierarchical_dgc_moves_less_over_the_link_with_two_ranks_per_host(bed, launcher,
+                                                                            tmp_path):
     """The last table of `make cluster-bench`: 2 ranks per host (-H hostA:2,hostB:2), flat and
     hierarchical DGC on ResNet-50's shapes. The veth's counters (hostA's side: all that crossed
     the link) show the hierarchical exchange moving less than flat DGC, both far under dense,
-    and the table is printed."""
+    and the table is printed. With MPI too: Open MPI makes each host a node (local size 2,
+    cross size 2), the ranks of a host talk through shared memory, the hosts over the veth."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), "--gloo", sys.executable,
-                           "benchmarks/synthetic_benchmark.py", "--model", "resnet50",
-                           "--compression", "dgc,dgc-hier", "--link-table", "--iface", "dgc0",
-                           "--warmup-steps", "1", "--steps", "1", "--bandwidth", "1gbit",
-                           "--json-out", str(out)],
-                          cwd=ROOT, env=dict(ENV, NP="4", HOSTS="hostA:2,hostB:2"),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = bed_job(launcher, sys.executable, "benchmarks/synthetic_benchmark.py", "--model",
+                   "resnet50", "--compression", "dgc,dgc-hier", "--link-table", "--iface", "dgc0",
+                   "--warmup-steps", "1", "--steps", "1", "--bandwidth", "1gbit",
+                   "--json-out", str(out), env=TWO_PER_HOST)
     r = json.loads(out.read_text())
     assert r["hosts"] == ["hostA", "hostA", "hostB", "hostB"]
     flat, hier = r["runs"]["dgc"], r["runs"]["dgc-hier"]
@@ -223,6 +233,89 @@ def test_hierarchical_dgc_moves_less_over_the_link_with_two_ranks_per_host(bed, 
     assert 0 < link(hier) < 0.7 * link(flat) < r["dense_bytes"] / 10, (link(hier), link(flat))
     assert hier["node_bytes"] > r["dense_bytes"] / 2        # the dense reduction inside the node
     assert "link bytes/step, both ways (measured)" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def hier_mpi(bed, tmp_path_factory):
+    """tests/workers/hierarchical_worker.py's training job (the one test_torch_hierarchical.py
+    runs with Gloo on one machine) under MPI across the two hosts, 2 ranks per host, and the
+    bytes each host's veth (dgc0) and loopback sent while it ran."""
+    out = tmp_path_factory.mktemp("hier_mpi") / "train.json"
+    before = {(ns, dev): counter(ns, dev, "tx_bytes") for ns in NS for dev in ("dgc0", "lo")}
+    bed_job("mpi", sys.executable, "tests/workers/hierarchical_worker.py", "--out", str(out),
+            env=dict(TWO_PER_HOST, HOROVOD_FUSION_THRESHOLD="0"), timeout=900)
+    sent = {k: counter(*k, "tx_bytes") - v for k, v in before.items()}
+    return json.loads(out.read_text()), sent
+
+
+@pytest.mark.environment
+def test_hierarchical_dgc_under_mpi_sees_two_nodes_of_two(hier_mpi):
+    """`horovodrun --mpi -H hostA:2,hostB:2` across the bed: MPI's controller, ranks 0 and 1 on
+    hostA, 2 and 3 on hostB, one node per host as Horovod sees it (local size 2, cross size 2;
+    on one machine MPI makes a single node of 4 whatever the host names). What crossed between
+    the hosts went over the veth; inside a host MPI's shared memory carried the node's dense
+    reduction and shards (MBs over the run), not TCP over loopback."""
+    r, sent = hier_mpi
+    assert r["controller"] == "mpi"
+    assert r["hosts"] == ["hostA", "hostA", "hostB", "hostB"]
+    assert (r["size"], r["local_size"], r["cross_size"]) == (4, 2, 2)
+    for ns in NS:
+        assert sent[(ns, "dgc0")] > 2 ** 20, sent
+        assert sent[(ns, "lo")] < 2 ** 20, sent
+
+
+def _gloo_checks():
+    """test_torch_hierarchical.py's checks of the training job's record, each with its
+    arguments, to run on the MPI job's record: the same assertions, not a copy of them."""
+    import test_torch_hierarchical as t
+    checks = [(t.test_replicas_bit_identical_and_loss_falls, ("hierarchical",)),
+              (t.test_replicas_bit_identical_and_loss_falls, ("allgather",)),
+              (t.test_hierarchical_trains_like_flat_dgc, ()),
+              (t.test_bytes_across_nodes_at_most_one_over_L_of_flat, ()),
+              (t.test_cost_model_predicts_the_measured_bytes, ()),
+              (t.test_each_rank_keeps_its_shard, ()),
+              (t.test_statistics_split_inside_and_across, ()),
+              (t.test_ratio_one_equals_dense_momentum_sgd, ()),
+              (t.test_clipping_uses_the_nodes_norm_with_N_the_nodes, ("average",)),
+              (t.test_clipping_uses_the_nodes_norm_with_N_the_nodes, ("sum",)),
+              (t.test_nonfinite_step_poisons_nothing, ("nonfinite",)),
+              (t.test_nonfinite_step_poisons_nothing, ("nonfinite_clip",)),
+              (t.test_fp16_overflow_skips_the_step_everywhere, ()),
+              (t.test_checkpoint_holds_the_shard_and_refuses_another_layout, ())]
+    return [pytest.param(f, a, id="-".join([f.__name__[5:], *a])) for f, a in checks]
+
+
+@pytest.mark.environment
+@pytest.mark.parametrize("check,args", _gloo_checks())
+def test_hierarchical_dgc_under_mpi_passes_the_gloo_checks(hier_mpi, check, args):
+    """Bit-identical replicas and falling loss for both exchanges, a node receiving at most 1/L
+    of flat DGC's bytes from the other node (exactly the cost model's), clipping, non-finite
+    steps, float16 overflow, checkpoints: every check of the Gloo job, on the MPI job."""
+    check(hier_mpi[0], *args)
+
+
+@pytest.mark.environment
+@pytest.mark.parametrize("mode,hosts", [("given", "hostA:2,hostB:2"),
+                                        ("static", "hostA:2,hostB:2"),
+                                        ("plain", "hostA:2,hostB:1")])
+def test_hierarchical_dgc_under_mpi_process_sets_and_errors(bed, mode, hosts, tmp_path):
+    """The short launches of test_torch_hierarchical.py under MPI across the hosts: the node
+    and cross-node sets passed to hvd.init (MPI communicators made at start) train; without
+    dynamic process sets, and with hosts of 2 and 1 ranks, every rank raises the same clear
+    error at the first step (none hangs)."""
+    out = tmp_path / f"{mode}.json"
+    bed_job("mpi", sys.executable, "tests/workers/hierarchical_worker.py", "--mode", mode,
+            "--out", str(out), env={"NP": str(sum(int(h[-1]) for h in hosts.split(","))),
+                                    "HOSTS": hosts}, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["controller"] == "mpi" and (r["local_size"], r["cross_size"]) == (2, 2)
+    errors = r["errors"]
+    if mode == "given":
+        assert errors == [None] * 4 and r["identical"] and r["changed"]
+    else:
+        assert len(errors) == len(r["hosts"]) and len(set(errors)) == 1
+        assert ("process_sets='dynamic'" if mode == "static" else
+                "ranks [2] on nodes of 1") in errors[0]
 
 
 @pytest.mark.unit

@@ -1,5 +1,7 @@
 """Runs under `horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo` (2 nodes of 2 ranks as
-Horovod sees them): DGC(exchange="hierarchical") with the stock horovod.torch.DistributedOptimizer.
+Horovod sees them), and under `--mpi -H hostA:2,hostB:2` across the two-host bed
+(tests/test_cluster.py): DGC(exchange="hierarchical") with the stock
+horovod.torch.DistributedOptimizer.
 
 ``--mode train`` (Horovod with dynamic process sets) records what tests/test_torch_hierarchical.py
 asserts on; rank 0 writes it as JSON to --out. ``--mode static`` starts Horovod without dynamic
@@ -10,6 +12,7 @@ any.
 """
 import argparse
 import json
+import socket
 import sys
 
 import horovod.torch as hvd
@@ -227,7 +230,11 @@ def main():
         hvd.init(process_sets="dynamic" if args.mode != "static" else None)
     torch.set_num_threads(1)
     results = {"size": hvd.size(), "local_size": hvd.local_size(),
-               "cross_size": hvd.cross_size(), "settings": SETTINGS}
+               "cross_size": hvd.cross_size(), "settings": SETTINGS,
+               # which controller Horovod runs on, and each rank's host (the two-host bed's MPI
+               # test asserts that the job is MPI across hostA and hostB)
+               "controller": "mpi" if hvd.mpi_enabled() else "gloo",
+               "hosts": hvd.allgather_object(socket.gethostname(), name="check.hosts")}
     if args.mode == "train":
         for scenario in (scenario_train, scenario_dense, scenario_clip, scenario_nonfinite,
                          scenario_checkpoint):
