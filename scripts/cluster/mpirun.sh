@@ -9,13 +9,14 @@
 #
 #   mpirun --allow-run-as-root -np 2 -H hostA:1,hostB:1 -bind-to none -map-by slot \
 #       -mca pml ob1 -mca btl ^openib -mca btl_tcp_if_include dgc0 -mca oob_tcp_if_include dgc0 \
-#       -x PATH -x PYTHONPATH [-x LD_LIBRARY_PATH] [-x every HOROVOD_*, NCCL_* and TF_* variable set] ...
+#       -x PATH -x PYTHONPATH [-x LD_LIBRARY_PATH] [-x each HOROVOD_*, NCCL_*, TF_* variable set] \
+#       [other mpirun options] python script.py ...
 #
 # the flags `horovodrun --mpi --verbose` prints for the same job (run.sh), less its ssh options:
 # Open MPI starts hostB's orted over ssh with the bed's client configuration, which names the key
 # (as ~/.ssh/config does on a cluster). btl_tcp_if_include / oob_tcp_if_include keep MPI's data and
-# control traffic on the veth. -x passes the variables on to the ranks (horovodrun passes every
-# variable; a plain mpirun passes none it is not told to).
+# control traffic on the veth. -x passes the variables on to the ranks on hostB (those started on
+# hostA inherit mpirun's environment; horovodrun passes every variable with -x).
 # NP (default 2) and HOSTS (default hostA:1,hostB:1) may be overridden from the environment.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
