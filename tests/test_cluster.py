@@ -2,7 +2,9 @@
 
 Two network namespaces joined by a tc-shaped veth pair, an sshd in each, and `horovodrun -np 2
 -H hostA:1,hostB:1` started from hostA over ssh with Gloo and with MPI; with 2 ranks per host
-(-H hostA:2,hostB:2), DGC(exchange="hierarchical") with both, MPI seeing two nodes of two. The
+(-H hostA:2,hostB:2), DGC(exchange="hierarchical") with both, MPI seeing two nodes of two, and
+the same under a plain `mpirun` (scripts/cluster/mpirun.sh, no horovodrun) with
+hvd.init(comm=MPI.COMM_WORLD). The
 tests use their own instance (DGC_CLUSTER_NAME=dgctest, subnet 10.78.0), so they neither see nor
 disturb a test bed brought up with `make cluster-up`. They need root, `ip netns`, tc and sshd
 (scripts/install.sh installs iproute2 and openssh-server); without them they skip and say which
@@ -64,6 +66,16 @@ def bed_job(launcher, *cmd, env=None, timeout=600):
     fails with the job's output unless it exits 0."""
     proc = subprocess.run(["bash", os.path.join(SCRIPTS, "run.sh"), f"--{launcher}", *cmd],
                           cwd=ROOT, env=dict(ENV, **(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def bed_mpirun(*cmd, env=None, timeout=600):
+    """`scripts/cluster/mpirun.sh CMD...`: a plain `mpirun` from hostA across the bed, no
+    horovodrun (``env``: NP, HOSTS and what the ranks get with -x); fails as bed_job does."""
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "mpirun.sh"), *cmd], cwd=ROOT,
+                          env=dict(ENV, **(env or {})), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
@@ -235,26 +247,35 @@ def test_hierarchical_dgc_moves_less_over_the_link_with_two_ranks_per_host(bed, 
     assert "link bytes/step, both ways (measured)" in proc.stdout
 
 
-@pytest.fixture(scope="module")
-def hier_mpi(bed, tmp_path_factory):
+@pytest.fixture(scope="module", params=["horovodrun", "mpirun"])
+def hier_mpi(bed, request, tmp_path_factory):
     """tests/workers/hierarchical_worker.py's training job (the one test_torch_hierarchical.py
     runs with Gloo on one machine) under MPI across the two hosts, 2 ranks per host, and the
-    bytes each host's veth (dgc0) and loopback sent while it ran."""
+    bytes each host's veth (dgc0) and loopback sent while it ran. Started by `horovodrun --mpi`
+    (scripts/cluster/run.sh) or by a plain `mpirun` (scripts/cluster/mpirun.sh) with the worker
+    calling hvd.init(comm=MPI.COMM_WORLD, process_sets="dynamic")."""
     out = tmp_path_factory.mktemp("hier_mpi") / "train.json"
     before = {(ns, dev): counter(ns, dev, "tx_bytes") for ns in NS for dev in ("dgc0", "lo")}
-    bed_job("mpi", sys.executable, "tests/workers/hierarchical_worker.py", "--out", str(out),
-            env=dict(TWO_PER_HOST, HOROVOD_FUSION_THRESHOLD="0"), timeout=900)
+    worker = (sys.executable, "tests/workers/hierarchical_worker.py", "--out", str(out))
+    env = dict(TWO_PER_HOST, HOROVOD_FUSION_THRESHOLD="0")
+    if request.param == "horovodrun":
+        bed_job("mpi", *worker, env=env, timeout=900)
+    else:
+        bed_mpirun(*worker, "--init", "comm", env=env, timeout=900)
     sent = {k: counter(*k, "tx_bytes") - v for k, v in before.items()}
-    return json.loads(out.read_text()), sent
+    r = json.loads(out.read_text())
+    assert r["init"] == ("default" if request.param == "horovodrun" else "comm")
+    return r, sent
 
 
 @pytest.mark.environment
 def test_hierarchical_dgc_under_mpi_sees_two_nodes_of_two(hier_mpi):
-    """`horovodrun --mpi -H hostA:2,hostB:2` across the bed: MPI's controller, ranks 0 and 1 on
-    hostA, 2 and 3 on hostB, one node per host as Horovod sees it (local size 2, cross size 2;
-    on one machine MPI makes a single node of 4 whatever the host names). What crossed between
-    the hosts went over the veth; inside a host MPI's shared memory carried the node's dense
-    reduction and shards (MBs over the run), not TCP over loopback."""
+    """`horovodrun --mpi -H hostA:2,hostB:2` across the bed, or a plain `mpirun` of the same
+    hosts with hvd.init(comm=MPI.COMM_WORLD): MPI's controller, ranks 0 and 1 on hostA, 2 and 3
+    on hostB, one node per host as Horovod sees it (local size 2, cross size 2; on one machine
+    MPI makes a single node of 4 whatever the host names). What crossed between the hosts went
+    over the veth; inside a host MPI's shared memory carried the node's dense reduction and
+    shards (MBs over the run), not TCP over loopback."""
     r, sent = hier_mpi
     assert r["controller"] == "mpi"
     assert r["hosts"] == ["hostA", "hostA", "hostB", "hostB"]

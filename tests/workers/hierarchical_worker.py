@@ -9,6 +9,10 @@ process sets, ``--mode given`` with the 2 × 2 job's four process sets passed to
 ``--mode plain`` (dynamic) is for any layout (e.g. unequal nodes), ``--mode mismatch`` has rank 0
 alone on the hierarchical exchange: each trains two steps and records the error DGC raised, if
 any.
+
+``--init comm`` initializes Horovod with ``hvd.init(comm=MPI.COMM_WORLD, process_sets=...)`` (an
+mpi4py communicator), as a job started by a plain `mpirun` would: scripts/cluster/mpirun.sh
+across the bed (tests/test_cluster.py); the default, ``hvd.init(process_sets=...)``.
 """
 import argparse
 import json
@@ -223,13 +227,19 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--mode", choices=("train", "static", "given", "plain", "mismatch"),
                     default="train")
+    ap.add_argument("--init", choices=("default", "comm"), default="default")
     args = ap.parse_args()
     if args.mode == "given":        # the node sets and the sets across nodes of 2 × 2 ranks
-        hvd.init(process_sets=[hvd.ProcessSet(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])])
+        sets = [hvd.ProcessSet(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]
     else:
-        hvd.init(process_sets="dynamic" if args.mode != "static" else None)
+        sets = "dynamic" if args.mode != "static" else None
+    if args.init == "comm":
+        from mpi4py import MPI
+        hvd.init(comm=MPI.COMM_WORLD, process_sets=sets)
+    else:
+        hvd.init(process_sets=sets)
     torch.set_num_threads(1)
-    results = {"size": hvd.size(), "local_size": hvd.local_size(),
+    results = {"init": args.init, "size": hvd.size(), "local_size": hvd.local_size(),
                "cross_size": hvd.cross_size(), "settings": SETTINGS,
                # which controller Horovod runs on, and each rank's host (the two-host bed's MPI
                # test asserts that the job is MPI across hostA and hostB)

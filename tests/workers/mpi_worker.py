@@ -12,6 +12,12 @@ initialized as a job started by `mpirun` (or a scheduler) would do it.
   (``hvd.init(comm=MPI.COMM_WORLD, process_sets=[hvd.ProcessSet(half)])``) and the optimizer
   given ``process_set=``.
 
+``--exchange hierarchical`` (PyTorch) trains with ``DGC(exchange="hierarchical")`` and adds
+``process_sets="dynamic"`` to each ``hvd.init`` (``process_set``: the set is passed, dynamic
+process sets switched on by ``HOROVOD_DYNAMIC_PROCESS_SETS=1``; the exchange refuses a process
+set other than the global one, and the record holds the error). On one machine a plain
+``mpirun`` makes one node of every rank (local size = the job's size, one node: M = 1).
+
 Every rank trains the small model of torch_worker.py (tf_worker.py's for ``--framework tf``) on a
 fixed batch of its own for 20 steps and writes ``rank<world rank>.json`` into ``--out``: its
 group (the half; 0 when the job is the whole world), its rank and size in the group, the losses,
@@ -28,30 +34,34 @@ from mpi4py import MPI
 STEPS = 20
 
 
-def init(hvd, how):
-    """Initialize Horovod as ``how`` says: (group, process set DGC runs in)."""
+def init(hvd, how, dynamic=False):
+    """Initialize Horovod as ``how`` says: (group, process set DGC runs in). ``dynamic``: with
+    dynamic process sets (``process_sets="dynamic"``)."""
     world = MPI.COMM_WORLD
     color = world.rank % 2
+    sets = {"process_sets": "dynamic"} if dynamic else {}
     if how == "plain":
-        hvd.init()
+        hvd.init(**sets)
         return 0, hvd.global_process_set
     if how == "comm":
-        hvd.init(comm=world)
+        hvd.init(comm=world, **sets)
         return 0, hvd.global_process_set
     if how == "split":
-        hvd.init(comm=world.Split(color=color, key=world.rank))
+        hvd.init(comm=world.Split(color=color, key=world.rank), **sets)
         return color, hvd.global_process_set
     if how == "ranks":
-        hvd.init(comm=[r for r in range(world.size) if r % 2 == color])
+        hvd.init(comm=[r for r in range(world.size) if r % 2 == color], **sets)
         return color, hvd.global_process_set
     if how == "process_set":
         ps = hvd.ProcessSet(world.Split(color=color, key=world.rank))
+        if dynamic:     # hvd.init takes a list or "dynamic", not both
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         hvd.init(comm=world, process_sets=[ps])
         return color, ps
     raise ValueError(f"--init {how!r}")
 
 
-def run_torch(how):
+def run_torch(how, exchange):
     import horovod.torch as hvd
     import torch
     import torch.nn.functional as F
@@ -59,9 +69,9 @@ def run_torch(how):
     from dgc_horovod.torch import DGC
     from torch_worker import batches, flat_params, make
 
-    group, ps = init(hvd, how)
+    group, ps = init(hvd, how, dynamic=exchange == "hierarchical")
     torch.set_num_threads(1)
-    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0)
+    dgc = DGC(compress_ratio=0.01, momentum=0.9, warmup_epochs=0, exchange=exchange)
     model, opt = make("mpi", dgc, process_set=ps)
     data = batches(4, 1000 * group + 100 + ps.rank())     # a fixed batch of 64 per rank
     x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
@@ -78,7 +88,7 @@ def run_torch(how):
     return hvd, group, ps, dgc, losses, flat.numpy().tobytes(), identical
 
 
-def run_tf(how):
+def run_tf(how, exchange):
     import horovod.tensorflow as hvd
     import numpy as np
     import tensorflow as tf
@@ -116,18 +126,32 @@ def main():
     ap.add_argument("--framework", choices=("torch", "tf"), default="torch")
     ap.add_argument("--init", required=True,
                     choices=("plain", "comm", "split", "ranks", "process_set"))
+    ap.add_argument("--exchange", choices=("allgather", "hierarchical"), default="allgather")
     ap.add_argument("--out", required=True, help="a directory: rank<world rank>.json")
     args = ap.parse_args()
     run = run_torch if args.framework == "torch" else run_tf
-    hvd, group, ps, dgc, losses, params, identical = run(args.init)
+    out = os.path.join(args.out, f"rank{MPI.COMM_WORLD.rank}.json")
+    try:
+        hvd, group, ps, dgc, losses, params, identical = run(args.init, args.exchange)
+    except ValueError as e:     # DGC's refusal (hierarchical on a process set): recorded
+        with open(out, "w") as f:
+            json.dump({"world_rank": MPI.COMM_WORLD.rank, "error": str(e)}, f, indent=1)
+        MPI.COMM_WORLD.Barrier()    # Horovod's shutdown would stop the other half (below)
+        return
     state = dgc.state_dict(process_set=ps)
+    total = dgc.total_stats
     record = {"world_rank": MPI.COMM_WORLD.rank, "world_size": MPI.COMM_WORLD.size,
               "group": group, "rank": ps.rank(), "size": ps.size(),
               "hvd_rank": hvd.rank(), "hvd_size": hvd.size(), "losses": losses,
+              "local_size": hvd.local_size(), "cross_size": hvd.cross_size(),
               "params": hashlib.sha256(params).hexdigest(), "identical": identical,
-              "steps": int(dgc.total_stats.steps), "selected": int(dgc.total_stats.selected),
-              "state_world_size": state["world_size"], "state_rank": state["rank"]}
-    with open(os.path.join(args.out, f"rank{MPI.COMM_WORLD.rank}.json"), "w") as f:
+              "steps": int(total.steps), "selected": int(total.selected),
+              "state_world_size": state["world_size"], "state_rank": state["rank"],
+              "layout": state.get("layout"), "error": None,
+              "cross_node_bytes": int(total.cross_node_bytes),
+              "cross_node_received_bytes": int(total.cross_node_received_bytes),
+              "node_bytes": int(total.node_bytes)}
+    with open(out, "w") as f:
         json.dump(record, f, indent=1)
     # Horovod's shutdown is collective over its whole job: a rank that leaves while the other
     # process set still trains stops that set's collectives ("Horovod has been shut down")
