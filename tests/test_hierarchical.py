@@ -348,20 +348,23 @@ def test_shard_bounds_are_horovods_split():
 
 def test_node_sum_adds_in_horovods_order():
     """The order Gloo's reduce-scatter adds a node's gradients in (measured with Horovod 0.28.1
-    for L = 2, 3, 4; L = 6 the binary-blocks rule as assumed), against the sum written out;
-    values of very different sizes, so that the order shows in the bits (L = 4: the pairwise
-    tree is not the rank-order sum)."""
+    for L = 2 … 8), against the sums written out; values of very different sizes, so that the
+    order shows in the bits (L = 4: the pairwise tree is not the rank-order sum; L = 7: the
+    blocks 4 + 2 + 1 added from the smallest up, not left to right)."""
     rng = np.random.default_rng(0)
-    g = [(rng.standard_normal(4096) * 10.0 ** (3 * (k % 3))).astype(F32) for k in range(6)]
-    want = {1: g[0], 2: g[0] + g[1], 3: (g[0] + g[1]) + g[2],
-            4: (g[0] + g[1]) + (g[2] + g[3]),
-            6: ((g[0] + g[1]) + (g[2] + g[3])) + (g[4] + g[5])}
+    g = [(rng.standard_normal(4096) * 10.0 ** (3 * (k % 3))).astype(F32) for k in range(8)]
+    t4 = (g[0] + g[1]) + (g[2] + g[3])
+    want = {1: g[0], 2: g[0] + g[1], 3: (g[0] + g[1]) + g[2], 4: t4, 5: t4 + g[4],
+            6: t4 + (g[4] + g[5]), 7: t4 + ((g[4] + g[5]) + g[6]),
+            8: t4 + ((g[4] + g[5]) + (g[6] + g[7]))}
     for L, w in want.items():
         got = hierarchical.node_sum(g[:L])
         assert got.dtype == F32 and np.array_equal(got, w), L
     assert hierarchical.node_sum(g[:1]) is not g[0]             # a new array
     rank_order = ((g[0] + g[1]) + g[2]) + g[3]
     assert not np.array_equal(hierarchical.node_sum(g[:4]), rank_order)
+    left_to_right = (t4 + (g[4] + g[5])) + g[6]
+    assert not np.array_equal(hierarchical.node_sum(g[:7]), left_to_right)
 
 
 def test_bytes_inside_the_node():

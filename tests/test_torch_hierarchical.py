@@ -5,7 +5,8 @@ job has two nodes of two ranks (local size 2, cross size 2) on one machine.
 One launch runs the scenarios of tests/workers/hierarchical_worker.py (``--mode train``); the
 tests below assert on what it recorded. Short launches check the errors of a layout DGC
 cannot use and of Horovod started without dynamic process sets, the process sets passed to
-``hvd.init``, and the degenerate layouts: one rank per node (Gloo) and one node (MPI, where one
+``hvd.init``, Horovod's reduce-scatter against the core's split and sum order, and the
+degenerate layouts: one rank per node (Gloo) and one node (MPI, where one
 machine is one node whatever the host names). Tensor fusion is off in the training job (``HOROVOD_FUSION_THRESHOLD=0``): with it,
 where Gloo's ring cuts a fused buffer depends on which tensors were ready together, and so the
 order in which 4 ranks' dense tensors are summed, which would make the resumed run differ from
@@ -156,6 +157,21 @@ def test_checkpoint_holds_the_shard_and_refuses_another_layout(run):
     assert r["numels"] == {"ck.fc1.weight": 4096, "ck.fc2.weight": 640, "ck.aux.weight": 640}
     assert "node layout" in r["refused"] and "reset_residuals=True" in r["refused"]
     assert r["resumed_equal"]
+
+
+@pytest.mark.parametrize("L", [3, 4])
+def test_reducescatter_splits_and_adds_as_the_core_says(tmp_path, L):
+    """Horovod's reduce-scatter over L ranks (one host, Gloo) of a tensor L does not divide:
+    each rank gets shard_bounds' shard, summed bit for bit as node_sum adds (L = 4: not in rank
+    order), and op=Average is that sum times 1/L."""
+    out = tmp_path / "rs.json"
+    horovodrun(["tests/workers/reducescatter_worker.py", "--out", str(out)], np=L)
+    facts = json.loads(out.read_text())
+    assert len(facts) == L
+    for f in facts:
+        assert f["numel"] == f["shard"] and f["node_sum"] and f["average"], f
+    assert [f["shard"] for f in facts] == [4097] * (L - 1) + [4096]
+    assert all(f["rank_order"] for f in facts) == (L == 3)
 
 
 def test_unequal_nodes_clear_error(tmp_path):

@@ -151,27 +151,30 @@ def shard_bounds(numel, local_size):
 
 def node_sum(gradients):
     """Σ_j g_(c,j) of the node's L gradients (flat, in shard order) in the order Horovod's Gloo
-    reduce-scatter adds them (``gloo::ReduceScatterHalvingDoubling``). Measured bit for bit
-    against Horovod 0.28.1 under Gloo (float32): L = 2 and 3 add in rank order, L = 4 as
-    (g_0 + g_1) + (g_2 + g_3), a pairwise tree (Horovod's allreduce inside the node, the path
-    before, adds in neither order for L = 3). This function extends that as the algorithm's
-    binary blocks: the ranks split into blocks of powers of two, largest first (L = 6: 4 + 2),
-    each summed as a balanced pairwise tree, the blocks' sums added left to right; for L > 4 an
-    assumption, not measured. Float addition is commutative, so the order inside a pair does
-    not matter. Returns a new array (``+`` of the inputs: NumPy or torch)."""
+    reduce-scatter adds them (``gloo::ReduceScatterHalvingDoubling``): the ranks split into
+    blocks of powers of two, largest first (L = 7: 4 + 2 + 1), each block summed as a balanced
+    pairwise tree, and the blocks' sums added from the smallest up (L = 7:
+    T(g_0..g_3) + (T(g_4, g_5) + g_6)). So L = 2, 3 add in rank order, L = 4 as
+    (g_0 + g_1) + (g_2 + g_3). Measured bit for bit against Horovod 0.28.1 under Gloo, float32,
+    for L = 2 … 8 (tests/test_torch_hierarchical.py launches L = 3, 4; Horovod's allreduce
+    inside the node, the path before, adds in rank order for L = 2, not 3 or 4). Float addition is commutative, so the order inside a pair does not matter.
+    Returns a new array (``+`` of the inputs: NumPy or torch)."""
     def tree(xs):
         if len(xs) == 1:
             return xs[0]
         half = len(xs) // 2
         return tree(xs[:half]) + tree(xs[half:])
-    total, start, L = None, 0, len(gradients)
+    L = len(gradients)
     if L == 1:
         return gradients[0] * 1
+    blocks, start = [], 0
     while start < L:
         size = 1 << ((L - start).bit_length() - 1)
-        part = tree(list(gradients[start:start + size]))
-        total = part if total is None else total + part
+        blocks.append(list(gradients[start:start + size]))
         start += size
+    total = tree(blocks[-1])
+    for block in reversed(blocks[:-1]):
+        total = tree(block) + total
     return total
 
 
