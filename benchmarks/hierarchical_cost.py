@@ -91,7 +91,7 @@ def main(argv=None):
         h = cost.hierarchical_dgc_bytes(ts, cfg, density, LOCAL_SIZE, 2)
         print(f"\nhierarchical DGC inside a node, per GPU and step: "
               f"{h['node'][0][0] / 1e6:,.1f} MB sent as DGC counts it (node_bytes), "
-              f"{3 * (LOCAL_SIZE - 1) / LOCAL_SIZE * h['sharded'] / 1e6:,.1f} MB over a ring\n")
+              f"{h['node_ring'] / 1e6:,.1f} MB over a ring\n")
     if args.png:
         import matplotlib
         matplotlib.use("Agg")

@@ -31,8 +31,9 @@ concatenated (the allgather) and decoded; the frames' bytes are counted, not bui
 ``DGCConfig(exchange="hierarchical")`` and ``local_size=L`` the N = L·M workers are M nodes of L
 (workers c·L … c·L+L−1 form node c) and step 1–4 are the hierarchical exchange
 (:mod:`dgc_horovod.core.hierarchical`), one tensor at a time as the PyTorch adapter
-(:mod:`dgc_horovod.torch.hierarchical`) runs it: each node's gradient summed in rank order
-(× 1/L for Average), worker (c, j) compresses shard j of it with N = M, the M payloads of a shard
+(:mod:`dgc_horovod.torch.hierarchical`) runs it: each node's gradient summed in the order of
+Horovod's reduce-scatter (``hierarchical.node_sum``; × 1/L for Average), the node's finiteness
+flags counted, worker (c, j) compresses shard j of it with N = M, the M payloads of a shard
 concatenated in node order and decoded, the shards joined; the other tensors' velocities
 averaged over all N workers (Horovod's allreduce). With clipping every node's factor s_c comes
 first, from its workers' parts of the node's squared norm (``hierarchical.clip_part`` in plan
@@ -231,15 +232,21 @@ class SimulatedCluster:
             core.add_wire_bytes(sent, received=received)
         return [core.clip_scale_of_sketches(rows, N, self.average) for core in self.cores]
 
-    def _node_gradients(self, grads, name):
-        """[G_c for each node c]: the node's reduction of ``name``'s gradients, flat float32,
-        summed in rank order (× 1/L for Average), as Horovod's allreduce inside a node."""
+    def _node_gradients(self, grads, name, sharded=True):
+        """[G_c for each node c]: the node's reduction of ``name``'s gradients, flat float32
+        (× 1/L for Average): a sharded tensor's summed as Horovod's reduce-scatter inside a node
+        adds (``hierarchical.node_sum``), another's in rank order, as Horovod's allreduce adds
+        for L = 2 (not for L = 3)."""
         L = self.local_size
         nodes = []
         for c in range(self.world_size // L):
-            G = grads[c * L][name].reshape(-1).to(torch.float32, copy=True)
-            for j in range(1, L):
-                G += grads[c * L + j][name].reshape(-1)
+            rows = [grads[c * L + j][name].reshape(-1).to(torch.float32) for j in range(L)]
+            if sharded:
+                G = hierarchical.node_sum(rows)
+            else:
+                G = rows[0].clone()
+                for j in range(1, L):
+                    G += rows[j]
             if self.average and L > 1:
                 G.mul_(1.0 / L)
             nodes.append(G)
@@ -255,7 +262,7 @@ class SimulatedCluster:
         L, M = self.local_size, self.world_size // self.local_size
         if not self.cores[0].needs_clip_scale:
             return [None] * M
-        G = {name: self._node_gradients(grads, name) for name, _ in self.params}
+        G = {name: self._node_gradients(grads, name, sharded[name]) for name, _ in self.params}
         scales = []
         for c in range(M):
             parts = []
@@ -305,7 +312,7 @@ class SimulatedCluster:
                     _, payloads[c][j], ctxs[c][j] = core.compress(
                         name, self._shard(G, lo, hi).view(view), M, w[lo:hi].view(view), avg,
                         scales[c])
-                    core.count_hierarchical(node=hierarchical.node_bytes(n, L),
+                    core.count_hierarchical(node=hierarchical.scatter_bytes(n, hi - lo, L),
                                             cross=(4 * B.numel(payloads[c][j]), 0))
             shards, finite = [], []
             for j, (lo, hi) in enumerate(spans):
@@ -329,6 +336,9 @@ class SimulatedCluster:
                             cores[c][j].discard_sent(ctxs[c][j])
                 full.fill_(float("nan"))
             out[name] = full
+        flags = hierarchical.finite_bytes(sum(sharded.values()), L)
+        for core in self.cores:         # the allreduce of the node's finiteness flags
+            core.count_hierarchical(node=flags)
         if clip:                        # the allgather of the clipping parts
             for core in self.cores:
                 core.count_hierarchical(node=hierarchical.clip_bytes(L))

@@ -17,8 +17,8 @@ DENSITY = 0.05
 def _model():
     import torch
     torch.manual_seed(0)
-    # 38·49 = 1,862 elements: 3 shards of 620, 621 and 621, whose payloads differ at density
-    # 0.05 (k = 31, 32, 32); 49·7 = 343: no L here splits it evenly
+    # 38·49 = 1,862 elements: 3 shards of 621, 621 and 620, whose payloads differ at density
+    # 0.05 (k = 32, 32, 31); 49·7 = 343: no L here splits it evenly
     return torch.nn.Sequential(torch.nn.Linear(38, 49), torch.nn.ReLU(), torch.nn.Linear(49, 7))
 
 

@@ -1,7 +1,9 @@
 """The hierarchical exchange (``exchange="hierarchical"``, dgc_horovod/core/hierarchical.py)
 against a NumPy transcription of its equations: M nodes of L ranks in one process, one DGCCore
 per rank. Horovod's collectives as the PyTorch adapter (dgc_horovod/torch/hierarchical.py) uses
-them: the allreduce inside a node is "every rank of the node gets the same node gradient", the
+them: the reduce-scatter inside a node is "rank j of the node gets shard j of the node
+gradient" (every rank's shard cut from the same node gradient here; the order Horovod adds in:
+test_node_sum_adds_in_horovods_order), the
 allgather across nodes the concatenation of the M payloads of a shard in node order, the
 allgather inside the node the concatenation of the L decoded shards.
 """
@@ -328,6 +330,52 @@ def test_shards_cover_the_tensor():
         assert spans[0][0] == 0 and spans[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         assert max(h - l for l, h in spans) - min(h - l for l, h in spans) <= 1
+
+
+def test_shard_bounds_are_horovods_split():
+    """Horovod's reduce-scatter along dimension 0: the first n mod L ranks one element more
+    (measured under Gloo: 5 on 2 ranks → 3, 2; 11 on 4 → 3, 3, 3, 2), not ⌊j·n/L⌋ (2, 3)."""
+    assert hierarchical.shard_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert [h - l for l, h in hierarchical.shard_bounds(11, 4)] == [3, 3, 3, 2]
+    assert [h - l for l, h in hierarchical.shard_bounds(7, 3)] == [3, 2, 2]
+    assert hierarchical.shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert hierarchical.shard_bounds(12, 4) == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    for n, L in [(1862, 3), (1001, 4), (5, 7)]:
+        q, m = divmod(n, L)
+        assert [h - l for l, h in hierarchical.shard_bounds(n, L)] == \
+            [q + 1] * m + [q] * (L - m)
+
+
+def test_node_sum_adds_in_horovods_order():
+    """The order Gloo's reduce-scatter adds a node's gradients in (measured with Horovod 0.28.1
+    for L = 2 … 8), against the sums written out; values of very different sizes, so that the
+    order shows in the bits (L = 4: the pairwise tree is not the rank-order sum; L = 7: the
+    blocks 4 + 2 + 1 added from the smallest up, not left to right)."""
+    rng = np.random.default_rng(0)
+    g = [(rng.standard_normal(4096) * 10.0 ** (3 * (k % 3))).astype(F32) for k in range(8)]
+    t4 = (g[0] + g[1]) + (g[2] + g[3])
+    want = {1: g[0], 2: g[0] + g[1], 3: (g[0] + g[1]) + g[2], 4: t4, 5: t4 + g[4],
+            6: t4 + (g[4] + g[5]), 7: t4 + ((g[4] + g[5]) + g[6]),
+            8: t4 + ((g[4] + g[5]) + (g[6] + g[7]))}
+    for L, w in want.items():
+        got = hierarchical.node_sum(g[:L])
+        assert got.dtype == F32 and np.array_equal(got, w), L
+    assert hierarchical.node_sum(g[:1]) is not g[0]             # a new array
+    rank_order = ((g[0] + g[1]) + g[2]) + g[3]
+    assert not np.array_equal(hierarchical.node_sum(g[:4]), rank_order)
+    left_to_right = (t4 + (g[4] + g[5])) + g[6]
+    assert not np.array_equal(hierarchical.node_sum(g[:7]), left_to_right)
+
+
+def test_bytes_inside_the_node():
+    """The reduce-scatter: the other ranks' shards out, their parts of this rank's shard in
+    (about (L − 1)/L·n each way, half an allreduce's 2·(L − 1)/L·n); the flags' allreduce."""
+    assert hierarchical.scatter_bytes(11, 3, 4) == (4 * 8, 4 * 3 * 3)
+    assert hierarchical.scatter_bytes(11, 2, 4) == (4 * 9, 4 * 3 * 2)
+    assert hierarchical.scatter_bytes(10, 10, 1) == (0, 0)
+    assert hierarchical.finite_bytes(3, 2) == (12, 12)
+    assert hierarchical.finite_bytes(3, 1) == hierarchical.finite_bytes(0, 4) == (0, 0)
+    assert hierarchical.node_bytes(10, 2) == (40, 40) and hierarchical.node_bytes(10, 1) == (0, 0)
 
 
 def test_is_sharded_needs_every_shard_sparsified():

@@ -5,7 +5,8 @@ job has two nodes of two ranks (local size 2, cross size 2) on one machine.
 One launch runs the scenarios of tests/workers/hierarchical_worker.py (``--mode train``); the
 tests below assert on what it recorded. Short launches check the errors of a layout DGC
 cannot use and of Horovod started without dynamic process sets, the process sets passed to
-``hvd.init``, and the degenerate layouts: one rank per node (Gloo) and one node (MPI, where one
+``hvd.init``, Horovod's reduce-scatter against the core's split and sum order, and the
+degenerate layouts: one rank per node (Gloo) and one node (MPI, where one
 machine is one node whatever the host names). Tensor fusion is off in the training job (``HOROVOD_FUSION_THRESHOLD=0``): with it,
 where Gloo's ring cuts a fused buffer depends on which tensors were ready together, and so the
 order in which 4 ranks' dense tensors are summed, which would make the resumed run differ from
@@ -94,9 +95,11 @@ def test_statistics_split_inside_and_across(run):
     # this rank's payload went to the other node's rank of its shard; that rank's came back
     assert st["cross_node_bytes"] == h["payload_bytes"] > 0
     assert st["cross_node_received_bytes"] > 0
-    # inside the node: the dense reduction of each sharded tensor (each way) and the shards
-    sharded = sum(2 * k for _, k in h["sparse"])        # the whole tensors' elements
-    assert st["node_bytes"] == 4 * sharded + 4 * sum(k for _, k in h["sparse"])
+    # inside the node (L = 2, shards of k elements): the reduce-scatter of each sharded tensor
+    # (the other shard out, the other rank's part of this one in: k each way), one int32 flag
+    # per tensor each way, the decoded shards' allgather (k each way)
+    k = [k for _, k in h["sparse"]]
+    assert st["node_bytes"] == 4 * sum(k) + 4 * len(k) + 4 * sum(k)
     assert st["node_received_bytes"] == st["node_bytes"]        # L = 2: as much in as out
     assert st["node_bytes"] <= st["wire_bytes"]
     flat = run["train"]["allgather"]["stats"]
@@ -129,6 +132,18 @@ def test_nonfinite_step_poisons_nothing(run, key):
     assert r["nonfinite_tensors"] > 0
 
 
+def test_nonfinite_element_in_one_shard_is_agreed_by_the_node(run):
+    """One NaN element in rank 1's gradient, in shard 1: after the reduce-scatter only rank 1
+    sees it, the node's flags make rank 0 (its shard finite) skip the tensor too: that step
+    accumulated nothing into u or v on node 0 (ranks 0, 1; without the flags rank 0 does), while
+    node 1, whose gradient was finite, accumulated it as any worker does (what it sent put
+    back); the update is NaN everywhere."""
+    r = run["nonfinite_shard"]
+    assert r["skipped"] == [step == 3 for step in range(8)]
+    assert r["identical"] and r["params_finite"] and r["states_finite"]
+    assert r["unchanged"] == [True, True, False, False] and r["changed_before"] == [True] * 4
+
+
 def test_fp16_overflow_skips_the_step_everywhere(run):
     """A float16 value beyond range in one shard makes the whole update non-finite on every
     rank: the loss scaler skips the step alike everywhere and backs off."""
@@ -138,10 +153,25 @@ def test_fp16_overflow_skips_the_step_everywhere(run):
 
 def test_checkpoint_holds_the_shard_and_refuses_another_layout(run):
     r = run["checkpoint"]
-    assert r["layout"] == {"local_size": 2, "nodes": 2, "shard": 0}
+    assert r["layout"] == {"local_size": 2, "nodes": 2, "shard": 0, "shards": "reducescatter"}
     assert r["numels"] == {"ck.fc1.weight": 4096, "ck.fc2.weight": 640, "ck.aux.weight": 640}
     assert "node layout" in r["refused"] and "reset_residuals=True" in r["refused"]
     assert r["resumed_equal"]
+
+
+@pytest.mark.parametrize("L", [3, 4])
+def test_reducescatter_splits_and_adds_as_the_core_says(tmp_path, L):
+    """Horovod's reduce-scatter over L ranks (one host, Gloo) of a tensor L does not divide:
+    each rank gets shard_bounds' shard, summed bit for bit as node_sum adds (L = 4: not in rank
+    order), and op=Average is that sum times 1/L."""
+    out = tmp_path / "rs.json"
+    horovodrun(["tests/workers/reducescatter_worker.py", "--out", str(out)], np=L)
+    facts = json.loads(out.read_text())
+    assert len(facts) == L
+    for f in facts:
+        assert f["numel"] == f["shard"] and f["node_sum"] and f["average"], f
+    assert [f["shard"] for f in facts] == [4097] * (L - 1) + [4096]
+    assert all(f["rank_order"] for f in facts) == (L == 3)
 
 
 def test_unequal_nodes_clear_error(tmp_path):

@@ -9,8 +9,8 @@ are sparsified, buckets, wire encodings) and the density ρ in force (after the 
 sends ``wire.payload_bytes(n, k_for(n, ρ))`` bytes whatever it selected (k = max(1, ⌈ρ·n⌉)),
 a bucket's frame ``wire.frame_bytes`` of its members' payloads, Horovod's allreduce a
 placeholder per sparsified tensor and the velocity of every other one (``stats.PLACEHOLDER_BYTES``),
-the hierarchical exchange's collectives inside the node ``hierarchical.node_bytes`` and
-``shards_bytes``.
+the hierarchical exchange's collectives inside the node ``hierarchical.scatter_bytes``,
+``finite_bytes`` and ``shards_bytes``.
 
 Bytes, per step (:func:`flat_dgc_bytes`, :func:`hierarchical_dgc_bytes`), as DGC's statistics
 count them:
@@ -21,8 +21,10 @@ count them:
     hierarchical  local rank j sends its shards' payloads P_j across (``cross_node_bytes``) and
                   receives (M − 1)·P_j (``cross_node_received_bytes``); a node receives
                   (M − 1)·Σ_j P_j ≈ (M − 1)·F: one selection per node instead of L. Inside the
-                  node rank j counts Σ (4·n + 4·|S_j|) sent over its sharded tensors
-                  (``node_bytes``: the node reduction at the tensor's size, its decoded shard)
+                  node rank j counts Σ (4·(n − |S_j|) + 4·|S_j|) = Σ 4·n sent over its T sharded
+                  tensors (the reduce-scatter's other shards, its decoded shard) and
+                  Σ (4·(L − 1)·|S_j| + 4·(n − |S_j|)) received, plus 4·T each way for the
+                  finiteness flags (``node_bytes``, ``node_received_bytes``)
 
 Time, per step (:func:`step_seconds`), communication only (no compression, decoding or overlap
 with the backward pass), with the textbook ring algorithms: a ring allreduce of D bytes over P
@@ -42,9 +44,10 @@ kind (``HOROVOD_FUSION_THRESHOLD``), so latency counts once per collective kind:
                   allreduce, as above) and one ring allgather of F over the N ranks (every link
                   of it, the card's too, carries (N − 1)·F): (N − 1)·F/β + (N − 1)·α
     hierarchical  the same allreduce of what is not sharded; the node reduction of the sharded
-                  tensors S (a ring allreduce inside the node), L rings allgathering P_j over the
-                  M nodes (the card carries (M − 1)·Σ_j P_j), the allgather of the shards:
-                  3·(L − 1)/L·S/β_in + 3·(L − 1)·α_in + (M − 1)·Σ_j P_j/β + (M − 1)·α
+                  tensors S (a ring reduce-scatter inside the node), L rings allgathering P_j
+                  over the M nodes (the card carries (M − 1)·Σ_j P_j), the allgather of the
+                  shards: 2·(L − 1)/L·S/β_in + 2·(L − 1)·α_in + (M − 1)·Σ_j P_j/β + (M − 1)·α
+                  (the flags' allreduce of 4·T bytes left out: latency only, a few µs)
 
 The ring allgather is the kindest assumption for flat DGC (bytes through a card: (N − 1)·F,
 not the L·(N − L)·F its ranks receive from other nodes, but N − 1 latency steps).
@@ -122,22 +125,26 @@ def hierarchical_dgc_bytes(tensors, config, density, local_size, nodes):
     statistics count them: dict(cross: [P_j] bytes local rank j sends across nodes
     (``cross_node_bytes``), cross_received: [(M − 1)·P_j] (``cross_node_received_bytes``),
     node_cross_received: (M − 1)·Σ_j P_j, node: [(sent, received)] of rank j inside the node
-    (``node_bytes``, ``node_received_bytes``), sharded: the float32 bytes of the sharded tensors,
+    (``node_bytes``, ``node_received_bytes``: the reduce-scatter, the flags, the shards' allgather),
+    sharded: S, the float32 bytes of the sharded tensors, node_ring: 2·(L − 1)/L·S, what a rank
+    moves each way over rings inside the node (the reduce-scatter, the shards' allgather),
     allreduce: :func:`allreduce_bytes`)."""
     L, M = local_size, nodes
     P = shard_payload_bytes(tensors, config, density, L)
+    sharded = _sharded(tensors, config, L)
     node = []
     for j in range(L):
-        sent = received = 0
-        for _, numel in _sharded(tensors, config, L):
+        sent, received = hierarchical.finite_bytes(len(sharded), L)
+        for _, numel in sharded:
             lo, hi = hierarchical.shard_bounds(numel, L)[j]
-            for s, r in (hierarchical.node_bytes(numel, L),
+            for s, r in (hierarchical.scatter_bytes(numel, hi - lo, L),
                          hierarchical.shards_bytes(numel, hi - lo, L)):
                 sent, received = sent + s, received + r
         node.append((sent, received))
     return dict(cross=P, cross_received=[(M - 1) * p for p in P],
                 node_cross_received=(M - 1) * sum(P), node=node,
-                sharded=4 * sum(numel for _, numel in _sharded(tensors, config, L)),
+                sharded=4 * sum(numel for _, numel in sharded),
+                node_ring=2 * (L - 1) / L * 4 * sum(numel for _, numel in sharded),
                 allreduce=allreduce_bytes(tensors, config, L))
 
 
@@ -174,8 +181,7 @@ def step_seconds(tensors, config, density, local_size, nodes, inter_bandwidth,
                                                      intra_bandwidth, alpha, intra_alpha)
     flat = flat_dgc_bytes(tensors, config, density, L, M)
     hier = hierarchical_dgc_bytes(tensors, config, density, L, M)
-    inside = (ring_allreduce_seconds(L, hier["sharded"], intra_bandwidth, intra_alpha)
-              + ring_allgather_seconds(L, hier["sharded"] / L, intra_bandwidth, intra_alpha))
+    inside = 2 * ring_allgather_seconds(L, hier["sharded"] / L, intra_bandwidth, intra_alpha)
     across = ((M - 1) * sum(hier["cross"]) / inter_bandwidth + (M - 1) * alpha
               if M > 1 else 0.0)
     return {

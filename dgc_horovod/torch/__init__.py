@@ -192,7 +192,8 @@ class DGC(DGCAdapter, Compressor):
 
     state_dict.__doc__ = DGCAdapter.state_dict.__doc__ + (
         "\n        With ``exchange=\"hierarchical\"`` the dict also holds ``layout``: "
-        "{local_size, nodes, shard}\n        (this rank's shard of each sparsified tensor).\n")
+        "{local_size, nodes, shard, shards}\n        (this rank's shard of each sparsified "
+        "tensor; shards: the shard rule,\n        ``hierarchical.SHARD_RULE``).\n")
 
     def load_state_dict(self, state_dict, reset_residuals=False, process_set=None):
         if self._hier is not None and not reset_residuals and isinstance(state_dict, dict):
@@ -201,7 +202,8 @@ class DGC(DGCAdapter, Compressor):
             if saved != now:
                 raise ValueError(
                     f"DGC checkpoint was saved with the node layout {saved} (local_size: ranks "
-                    f"per node, nodes, shard: this rank's place in its node), this job has "
+                    f"per node, nodes, shard: this rank's place in its node, shards: the rule that "
+                    f"cuts a tensor into shards), this job has "
                     f"{now}: with exchange='hierarchical' each rank's state is its shard of the "
                     "node's gradients. Resume on the same layout, or load with "
                     "reset_residuals=True")

@@ -14,23 +14,28 @@ sets, and a set missing, every rank raises a ValueError saying so before any set
 Per sparsified tensor (:func:`~dgc_horovod.core.hierarchical.is_sharded`), one tensor at a time
 (buckets are not used):
 
-1. ``compress``: ``hvd.allreduce_async`` of the float32 gradient inside the node
-   (``dgc.node.<name>``; op Average or Sum, as the optimizer's), Horovod's allreduce carries the
+1. ``compress``: ``hvd.reducescatter_async`` of the flat float32 gradient inside the node
+   (``dgc.node.<name>``; op Average or Sum, as the optimizer's): this rank receives its shard of
+   the node's gradient, Horovod's split being the shard rule
+   (:func:`~dgc_horovod.core.hierarchical.shard_bounds`); Horovod's allreduce carries the
    1-element placeholder.
-2. at the step's first ``decompress``: for every tensor started, in the order they started, wait
-   for its node reduction, compress this rank's shard (``DGCCore.compress`` with N = M nodes) and
-   start the allgather of its payload across the nodes (``dgc.cross.<name>``); then, in the same
-   order, wait for each, decode it (``DGCCore.decompress``: 1/M under Average), apply the
+2. at the step's first ``decompress``: every tensor started is waited for, in the order they
+   started; the node agrees on which node gradients are non-finite (``dgc.finite.node``: an
+   allreduce inside the node of one int32 per sharded tensor, this rank's shard having a
+   NaN/Inf; a tensor flagged anywhere is all NaN in every rank's shard); then for each tensor,
+   in the same order, this rank's shard is compressed (``DGCCore.compress`` with N = M nodes) and
+   the allgather of its payload across the nodes started (``dgc.cross.<name>``); then, in the
+   same order, wait for each, decode it (``DGCCore.decompress``: 1/M under Average), apply the
    separate weight decay to the shard (``DGCCore.finish_update``) and start the allgather of the
    decoded shard inside the node (``dgc.shards.<name>``).
 3. each ``decompress`` waits for its tensor's allgather inside the node: the whole update.
 
 With clipping (``clip_norm``, ``clip_scope="global"``; the equations: the core module) every
 tensor of the step waits for the node's norm: a tensor that is not sharded starts its node
-allreduce in ``compress`` too (for the norm only; Horovod's allreduce carries a placeholder for
-it). At the step's first ``decompress`` every node reduction is waited for, in start order;
-this rank's part of the node's squared norm (:func:`~dgc_horovod.core.hierarchical.clip_part`,
-the tensors in plan order) is allgathered inside the node (``dgc.clip.node``) and the factor
+allreduce in ``compress`` too (the whole tensor, for the norm only; Horovod's allreduce carries
+a placeholder for it). After the node reductions and the flags of step 2, this rank's part of
+the node's squared norm (:func:`~dgc_horovod.core.hierarchical.clip_part`, the tensors in plan
+order) is allgathered inside the node (``dgc.clip.node``) and the factor
 s_c computed from the L parts (:meth:`DGCCore.clip_scale_of_squares` with N = M: the same bits
 on every rank of the node); then each sharded tensor goes on as in step 2 with s_c, and each
 other tensor's velocity, from this rank's own gradient with s_c, goes out by DGC's own
@@ -73,19 +78,21 @@ class HierarchicalPending:
 
 
 class _Flight:
-    """One tensor's three collectives: ``node`` (the allreduce inside the node), ``cross`` (the
+    """One tensor's three collectives: ``node`` (the reduce-scatter inside the node; for a tensor
+    that is not sharded, with clipping, the allreduce), ``cross`` (the
     allgather across nodes), ``shards`` (the allgather of the decoded shards inside the node, or
     for a tensor that is not sharded, with clipping, DGC's allreduce of its velocity);
     ``ctx`` the core's SparseContext; ``update`` the decoded shard; ``error`` what advancing it
     raised; ``own`` (a tensor that is not sharded, with clipping) this rank's gradient as the
     core takes it; ``G`` the node's gradient and ``shard`` this rank's part of it, between the
-    node reduction and compress."""
+    node reduction and compress; ``numel`` the tensor's elements."""
 
     __slots__ = ("name", "param", "average", "ndim", "node", "cross", "shards", "ctx", "words",
-                 "update", "error", "bounds", "own", "G", "shard", "sharded")
+                 "update", "error", "bounds", "own", "G", "shard", "sharded", "numel")
 
-    def __init__(self, name, param, average, ndim, node, own=None):
+    def __init__(self, name, param, average, ndim, numel, node, own=None):
         self.name, self.param, self.average, self.ndim, self.node = name, param, average, ndim, node
+        self.numel = numel
         self.cross = self.shards = self.ctx = self.update = self.error = self.bounds = None
         self.G = self.shard = None
         self.own, self.sharded = own, own is None
@@ -123,14 +130,15 @@ class Layout:
 
     def to_dict(self):
         """What a checkpoint records of the layout (:meth:`DGC.state_dict`)."""
-        return {"local_size": self.local_size, "nodes": self.nodes_count, "shard": self.shard}
+        return {"local_size": self.local_size, "nodes": self.nodes_count, "shard": self.shard,
+                "shards": hierarchical.SHARD_RULE}
 
 
 def current_layout():
     """The layout as Horovod reports it without a collective (before the first step):
     :meth:`Layout.to_dict`'s keys."""
     return {"local_size": hvd.local_size(), "nodes": hvd.cross_size(),
-            "shard": hvd.local_rank()}
+            "shard": hvd.local_rank(), "shards": hierarchical.SHARD_RULE}
 
 
 def make_layout(process_set):
@@ -223,7 +231,8 @@ class Hierarchical:
         return tensor, param
 
     def start(self, name, tensor, param, average, sharded=True):
-        """Step 1: start the node's reduction of ``tensor``; returns the ctx for decompress.
+        """Step 1: start the node's reduction of ``tensor`` (a sharded one: the reduce-scatter;
+        one that is not: the allreduce); returns the ctx for decompress.
         ``sharded=False`` (with clipping): a tensor that is not sharded, reduced for the node's
         norm and compressed from this rank's own gradient once the factor is known."""
         own = None
@@ -234,25 +243,47 @@ class Hierarchical:
         if g.dtype is not torch.float32:
             g = g.float()
         op = hvd.Average if average else hvd.Sum
-        handle = hvd.allreduce_async(g, name="dgc.node." + name, op=op,
-                                     process_set=self.layout.local)
-        flight = _Flight(name, param, average, tensor.dim(), handle, own)
+        collective = hvd.reducescatter_async if sharded else hvd.allreduce_async
+        handle = collective(g, name="dgc.node." + name, op=op, process_set=self.layout.local)
+        flight = _Flight(name, param, average, tensor.dim(), g.numel(), handle, own)
         with self._lock:
             self._started.append(flight)
         return HierarchicalPending(flight, tensor.shape, tensor.dtype)
 
     def _reduce(self, f):
-        """The node's gradient of ``f`` waited for (lock held); for a sharded tensor this
-        rank's shard of it, all NaN when the node's gradient is non-finite anywhere."""
-        f.G = _wait(f.node)
+        """The node's reduction of ``f`` waited for (lock held): for a sharded tensor this
+        rank's shard of the node's gradient, for one that is not the whole of it."""
+        out = _wait(f.node)
         f.node = None
         if not f.sharded:
+            f.G = out
             return
-        lo, hi = f.bounds = hierarchical.shard_bounds(f.G.numel(), self.layout.local_size)[
+        lo, hi = f.bounds = hierarchical.shard_bounds(f.numel, self.layout.local_size)[
             self.layout.shard]
-        f.shard = f.G[lo:hi]
-        if not self._core.B.all_finite(f.G):    # the node's gradient is non-finite: every shard
-            f.shard = torch.full_like(f.shard, float("nan"))
+        if out.numel() != hi - lo:
+            raise RuntimeError(
+                f"DGC(exchange='hierarchical'): Horovod's reduce-scatter gave this rank "
+                f"{out.numel()} elements of {f.name!r} ({f.numel} elements), the shard rule "
+                f"[{lo}, {hi}): this Horovod splits differently from the one DGC was written for "
+                "(0.28.1)")
+        f.shard = out
+
+    def _agree_finite(self, flights):
+        """The node's agreement on which sharded tensors' node gradients are non-finite (lock
+        held; collective inside the node, with L > 1): one int32 per sharded tensor, this rank's
+        shard having a NaN/Inf, summed over the node; a flagged tensor's shard becomes all NaN
+        on every rank of the node."""
+        core, lay = self._core, self.layout
+        sharded = [f for f in flights if f.sharded]
+        flags = [not core.B.all_finite(f.shard) for f in sharded]
+        if lay.local_size > 1 and sharded:
+            flags = hvd.allreduce(torch.tensor(flags, dtype=torch.int32), op=hvd.Sum,
+                                  name="dgc.finite.node", process_set=lay.local).tolist()
+            core.count_hierarchical(node=hierarchical.finite_bytes(len(sharded),
+                                                                   lay.local_size))
+        for f, bad in zip(sharded, flags):
+            if bad:
+                f.shard = torch.full_like(f.shard, float("nan"))
 
     def _clip_scale(self, flights):
         """The node's clipping factor s_c of the step (lock held; collective inside the node):
@@ -270,9 +301,7 @@ class Hierarchical:
         """Step 2a (lock held): this rank's shard compressed → its allgather across the nodes;
         with clipping, a tensor that is not sharded: its velocity → DGC's allreduce."""
         core, lay = self._core, self.layout
-        if f.node is not None:
-            self._reduce(f)
-        n = f.G.numel()
+        n = f.numel
         f.G = None
         if not f.sharded:               # clipping: not sharded, reduced for the norm only
             kind, out, _ = core.compress(f.name, f.own, lay.nodes_count, f.param, f.average,
@@ -293,7 +322,7 @@ class Hierarchical:
         f.shard = None
         if kind != "sparse":
             raise RuntimeError(f"DGC: the shard of {f.name!r} was compressed as a dense tensor")
-        core.count_hierarchical(node=hierarchical.node_bytes(n, lay.local_size),
+        core.count_hierarchical(node=hierarchical.scatter_bytes(n, hi - lo, lay.local_size),
                                 cross=(4 * payload.numel(), 0))
         f.words = payload.numel()
         f.cross = hvd.allgather_async(payload, name="dgc.cross." + f.name,
@@ -315,32 +344,35 @@ class Hierarchical:
                                        process_set=lay.local)
 
     def _advance(self):
-        """Steps 2a and 2b of every tensor started (lock held), each in start order; with
-        clipping, first every node reduction and the node's factor."""
-        if self._core.needs_clip_scale and self._started:
+        """Steps 2a and 2b of every tensor started (lock held), each in start order: every
+        node reduction waited for, the node's finiteness flags, with clipping the node's
+        factor, then each tensor's selection; then each decode."""
+        if self._started:
             flights, self._started = self._started, []
+            clip = self._core.needs_clip_scale
             done = 0
             try:
                 for f in flights:
                     self._reduce(f)
-                scale = self._clip_scale(flights)
+                self._agree_finite(flights)
+                scale = self._clip_scale(flights) if clip else None
                 for f in flights:
                     self._select(f, scale)
                     done += 1
-                self._core.count_hierarchical(node=hierarchical.clip_bytes(
-                    self.layout.local_size))
+                if clip:
+                    self._core.count_hierarchical(node=hierarchical.clip_bytes(
+                        self.layout.local_size))
             except BaseException as e:
                 for f in flights[done:]:    # the tensors not sent raise it
                     f.error = e
                 raise
-        for queue, step in ((self._started, self._select), (self._crossing, self._decode)):
-            while queue:
-                f = queue.pop(0)
-                try:
-                    step(f)
-                except BaseException as e:
-                    f.error = e
-                    raise
+        while self._crossing:
+            f = self._crossing.pop(0)
+            try:
+                self._decode(f)
+            except BaseException as e:
+                f.error = e
+                raise
 
     def receive(self, pending):
         """Step 3: the whole update of ``pending``'s tensor (flat float32), bit-identical on

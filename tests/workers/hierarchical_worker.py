@@ -185,6 +185,39 @@ def scenario_nonfinite(results):
         results[key] = nonfinite_facts(dgc, model, seen)
 
 
+def scenario_nonfinite_shard(results):
+    """At step 3 one element of rank 1's fc1.weight gradient is NaN, in shard 1: after the
+    reduce-scatter only rank 1 sees it. The node's flags make rank 0 (its shard finite) treat
+    the tensor as non-finite too: the update is NaN everywhere, and no rank of node 0
+    accumulates anything of that step (u and v of fc1.weight unchanged by it, per rank)."""
+    dgc = DGC(exchange="hierarchical", **SETTINGS)
+    model, opt = make("nanshard", dgc)
+    name, step = "nanshard.fc1.weight", [0]
+    last = model.fc1.weight.numel() - 1             # in shard 1 (the second half)
+
+    def poison(g):
+        if step[0] == 3 and hvd.rank() == 1:
+            g = g.clone()
+            g.view(-1)[last] = float("nan")
+        return g
+    model.fc1.weight.register_hook(poison)
+    snaps = {}
+
+    def before_sync(k):
+        step[0] = k + 1                             # the hook runs in the next backward
+        st = dgc.states.get(name)
+        if st is not None and st.u is not None:
+            snaps[k] = (st.u.clone(), st.v.clone())
+    seen = train_with_nan(model, opt, nan_step=None, after_backward=before_sync)
+    facts = nonfinite_facts(dgc, model, seen)
+    # before step 3's synchronize against before step 4's: what step 3 accumulated
+    facts["unchanged"] = hvd.allgather_object(
+        all(torch.equal(a, b) for a, b in zip(snaps[3], snaps[4])), name="check.unchanged")
+    facts["changed_before"] = hvd.allgather_object(
+        not all(torch.equal(a, b) for a, b in zip(snaps[2], snaps[3])), name="check.changed")
+    results["nonfinite_shard"] = facts
+
+
 def scenario_checkpoint(results):
     """state_dict holds this rank's shards and the layout; another layout is refused; the same
     layout loads and training goes on bit-identically."""
@@ -247,7 +280,7 @@ def main():
                "hosts": hvd.allgather_object(socket.gethostname(), name="check.hosts")}
     if args.mode == "train":
         for scenario in (scenario_train, scenario_dense, scenario_clip, scenario_nonfinite,
-                         scenario_checkpoint):
+                         scenario_nonfinite_shard, scenario_checkpoint):
             scenario(results)
         # float16 values that overflow in one shard: the whole update is non-finite everywhere
         scenario_fp16_overflow(results, "fp16", exchange="hierarchical", min_sparse_numel=512)

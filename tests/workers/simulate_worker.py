@@ -46,6 +46,10 @@ def main():
         opt.zero_grad()
         loss_of(model, hvd.rank(), step).backward()
         opt.step()
+    # every rank waits for the others: under exchange="hierarchical" a step ends with collectives
+    # inside each node, so one node can finish first, and a rank that exits shuts Horovod down
+    # under the other node's last allgather ("Horovod has been shut down" there)
+    hvd.barrier()
     if hvd.rank() == 0:
         torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "steps": dgc._core.steps, "density": dgc.density,
