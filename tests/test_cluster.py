@@ -213,9 +213,11 @@ def test_synthetic_benchmark_bytes_on_the_link(bed, tmp_path):
     assert ddp["bytes"] == r["dense_bytes"]
     assert 1.0 <= ddp["iface_tx_bytes"] / ddp["bytes"] < 1.1, ddp
     assert psgd["bytes"] < r["dense_bytes"] / 50
-    # PowerSGD's payload is small enough that Horovod's idle coordination (~0.3 MB/s, see DGC
-    # above) shows: measured 878,130 bytes on the veth for 546,444 counted, at a 1 s step
-    assert 1.0 <= psgd["iface_tx_bytes"] / psgd["bytes"] < 2.0, psgd
+    # PowerSGD's payload is small enough that Horovod's idle coordination (~0.3-0.4 MB/s, see
+    # DGC above) shows, in proportion to the step's time: measured 878,130 bytes on the veth for
+    # 546,444 counted at a 1 s step, 1,137,096 at a 1.43 s step (2026-12-07, loaded machine)
+    extra = psgd["iface_tx_bytes"] - psgd["bytes"]
+    assert 0 <= extra < 0.1 * psgd["bytes"] + 600_000 * max(psgd["step"]), psgd
     assert psgd["iface_tx_bytes"] < r["dense_bytes"] / 50, psgd
     for run in (ddp, psgd):
         assert run["param_checksums"][0] == run["param_checksums"][1]
