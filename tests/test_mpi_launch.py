@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import job_env, launch
+from dgc_horovod.core import hierarchical
 
 pytestmark = pytest.mark.horovodrun
 
@@ -89,7 +90,8 @@ def check_one_node(records, size):
     rank; cross_node_bytes still counts the payload this rank put into it)."""
     for r in records:
         assert (r["local_size"], r["cross_size"]) == (size, 1), r
-        assert r["layout"] == {"local_size": size, "nodes": 1, "shard": r["rank"]}, r
+        assert r["layout"] == {"local_size": size, "nodes": 1, "shard": r["rank"],
+                               "shards": hierarchical.SHARD_RULE}, r
         assert r["cross_node_received_bytes"] == 0 and r["node_bytes"] > 0, r
 
 
