@@ -44,7 +44,6 @@ import torch
 
 from dgc_horovod.core import PLACEHOLDER_BYTES, DGCConfig, DGCCore, hierarchical, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
-from dgc_horovod.core.sketch import sketch_bytes
 from dgc_horovod.backends.torch_backend import TorchBackend
 
 __all__ = ["SimulatedCluster"]
@@ -223,13 +222,10 @@ class SimulatedCluster:
     def _sketch_scales(self, grads):
         """``clip_scope="sketch"``: every worker's sketch of all of its gradients in plan order,
         "allgathered" (each worker's factor from the N rows in rank order, as the adapter's
-        ``dgc.clip.sketch`` allgather gives them; the bytes counted as that allgather's)."""
+        ``dgc.clip.sketch`` allgather gives them; the core counts that allgather's bytes)."""
         N = self.world_size
         rows = [core.sketch([(n, g[n]) for n, _ in self.params]).tolist()
                 for core, g in zip(self.cores, grads)]
-        sent, received = sketch_bytes(N)
-        for core in self.cores:
-            core.add_wire_bytes(sent, received=received)
         return [core.clip_scale_of_sketches(rows, N, self.average) for core in self.cores]
 
     def _node_gradients(self, grads, name, sharded=True):

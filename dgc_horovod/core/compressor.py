@@ -513,10 +513,13 @@ class DGCCore:
         """The dense clip factor of the step from the N ranks' sketches ``rows`` (rank order):
         s = min(1, C / (‖ḡ‖/S + 1e-6)) with ‖ḡ‖ = √Q/N under Average, √Q under Sum
         (:func:`~dgc_horovod.core.sketch.estimate`; S the loss scale): the same on every rank.
-        1.0 when clip_norm is None."""
+        Counts the sketches' allgather in the stats
+        (:func:`~dgc_horovod.core.sketch.sketch_bytes`). 1.0 when clip_norm is None."""
         c = self.config
         if c.clip_norm is None:
             return 1.0
+        sent, received = _sketch.sketch_bytes(world_size)
+        self.add_wire_bytes(sent, received=received)
         norm = math.sqrt(_sketch.estimate(rows))
         if average:
             norm /= world_size

@@ -157,7 +157,8 @@ def node_sum(gradients):
     T(g_0..g_3) + (T(g_4, g_5) + g_6)). So L = 2, 3 add in rank order, L = 4 as
     (g_0 + g_1) + (g_2 + g_3). Measured bit for bit against Horovod 0.28.1 under Gloo, float32,
     for L = 2 … 8 (tests/test_torch_hierarchical.py launches L = 3, 4; Horovod's allreduce
-    inside the node, the path before, adds in rank order for L = 2, not 3 or 4). Float addition is commutative, so the order inside a pair does not matter.
+    inside the node, the path before, adds in rank order for L = 2, not 3 or 4). Float
+    addition is commutative, so the order inside a pair does not matter.
     Returns a new array (``+`` of the inputs: NumPy or torch)."""
     def tree(xs):
         if len(xs) == 1:

@@ -63,7 +63,6 @@ import torch
 from dgc_horovod.adapter import check_same_model
 from dgc_horovod.core import PLACEHOLDER_BYTES, regions, wire
 from dgc_horovod.core.buckets import plan_buckets
-from dgc_horovod.core.sketch import sketch_bytes
 from dgc_horovod.torch.params import reduced_parameters
 
 __all__ = ["Exchange", "Pending"]
@@ -442,8 +441,6 @@ class Exchange:
             mine = core.sketch([(n, gate.arrived[n]) for n in names if n in gate.arrived])
             rows = hvd.allgather(mine.view(1, -1), name="dgc.clip.sketch", process_set=ps)
             scale = core.clip_scale_of_sketches(rows.tolist(), world, gate.average)
-            sent, received = sketch_bytes(world)
-            core.add_wire_bytes(sent, received=received)
         else:
             grads = [gate.arrived[n] for n in names if n in gate.arrived]
             scale = core.clip_scale(grads, world, gate.average)
