@@ -309,7 +309,8 @@ class SimulatedCluster:
                         name, self._shard(G, lo, hi).view(view), M, w[lo:hi].view(view), avg,
                         scales[c])
                     core.count_hierarchical(node=hierarchical.scatter_bytes(n, hi - lo, L),
-                                            cross=(4 * B.numel(payloads[c][j]), 0))
+                                            cross=(hierarchical.cross_bytes(
+                                                4 * B.numel(payloads[c][j]), M), 0))
             shards, finite = [], []
             for j, (lo, hi) in enumerate(spans):
                 gathered = B.cat([payloads[c][j] for c in range(M)])

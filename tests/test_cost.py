@@ -43,10 +43,12 @@ def _counted(exchange, L, M, steps=3):
     return cfg, tensors, [c.step_stats for c in cluster.cores]
 
 
-@pytest.mark.parametrize("L,M", [(2, 2), (3, 2), (4, 3)])
+@pytest.mark.parametrize("L,M", [(2, 2), (3, 2), (4, 3), (2, 1)])
 def test_hierarchical_bytes_are_what_the_simulated_cluster_counts(L, M):
+    """The cost model's bytes are the statistics' (M = 1: one node, nothing crosses)."""
     cfg, tensors, stats = _counted("hierarchical", L, M)
     model = cost.hierarchical_dgc_bytes(tensors, cfg, DENSITY, L, M)
+    assert (sum(model["cross"]) == 0) == (M == 1) and min(model["payload"]) > 0
     if L == 3:                                          # shards of unequal payloads
         assert len(set(model["cross"])) > 1, model["cross"]
     for c in range(M):
@@ -55,9 +57,9 @@ def test_hierarchical_bytes_are_what_the_simulated_cluster_counts(L, M):
             assert st.cross_node_bytes == model["cross"][j]
             assert st.cross_node_received_bytes == model["cross_received"][j]
             assert (st.node_bytes, st.node_received_bytes) == model["node"][j]
-            assert st.wire_bytes == model["cross"][j] + model["allreduce"] + model["node"][j][0]
+            assert st.wire_bytes == model["payload"][j] + model["allreduce"] + model["node"][j][0]
     node = sum(stats[j].cross_node_received_bytes for j in range(L))
-    assert node == model["node_cross_received"] == (M - 1) * sum(model["cross"])
+    assert node == model["node_cross_received"] == (M - 1) * sum(model["payload"])
 
 
 @pytest.mark.parametrize("L,M", [(2, 2), (4, 3)])

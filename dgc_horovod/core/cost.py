@@ -122,8 +122,9 @@ def flat_dgc_bytes(tensors, config, density, local_size, nodes):
 
 def hierarchical_dgc_bytes(tensors, config, density, local_size, nodes):
     """The hierarchical exchange on ``nodes`` nodes of ``local_size`` ranks, per step, as its
-    statistics count them: dict(cross: [P_j] bytes local rank j sends across nodes
-    (``cross_node_bytes``), cross_received: [(M − 1)·P_j] (``cross_node_received_bytes``),
+    statistics count them: dict(payload: [P_j] bytes of local rank j's payloads (in its
+    ``wire_bytes``), cross: what of it goes across nodes (``cross_node_bytes``: P_j, 0 with one
+    node, :func:`~dgc_horovod.core.hierarchical.cross_bytes`), cross_received: [(M − 1)·P_j] (``cross_node_received_bytes``),
     node_cross_received: (M − 1)·Σ_j P_j, node: [(sent, received)] of rank j inside the node
     (``node_bytes``, ``node_received_bytes``: the reduce-scatter, the flags, the shards' allgather),
     sharded: S, the float32 bytes of the sharded tensors, node_ring: 2·(L − 1)/L·S, what a rank
@@ -141,7 +142,8 @@ def hierarchical_dgc_bytes(tensors, config, density, local_size, nodes):
                          hierarchical.shards_bytes(numel, hi - lo, L)):
                 sent, received = sent + s, received + r
         node.append((sent, received))
-    return dict(cross=P, cross_received=[(M - 1) * p for p in P],
+    return dict(payload=P, cross=[hierarchical.cross_bytes(p, M) for p in P],
+                cross_received=[(M - 1) * p for p in P],
                 node_cross_received=(M - 1) * sum(P), node=node,
                 sharded=4 * sum(numel for _, numel in sharded),
                 node_ring=2 * (L - 1) / L * 4 * sum(numel for _, numel in sharded),

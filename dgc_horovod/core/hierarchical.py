@@ -79,7 +79,7 @@ from dgc_horovod.core.accumulate import squared_norm
 from dgc_horovod.core.sparsify import is_sparse
 
 __all__ = ["shard_bounds", "node_sum", "is_sharded", "dense_flat", "node_layout", "node_bytes",
-           "scatter_bytes", "finite_bytes", "shards_bytes", "clip_part", "clip_bytes",
+           "scatter_bytes", "finite_bytes", "cross_bytes", "shards_bytes", "clip_part", "clip_bytes",
            "LAYOUT_FIELDS", "SHARD_RULE"]
 
 #: The name of :func:`shard_bounds`'s rule, kept in checkpoints (the layout): a rank's state is
@@ -117,6 +117,14 @@ def clip_bytes(local_size):
     """(sent, received) bytes of the allgather of the clipping parts inside the node (one
     float64 each); nothing with one rank per node."""
     return (8, 8 * (local_size - 1)) if local_size > 1 else (0, 0)
+
+
+def cross_bytes(payload, nodes):
+    """Bytes sent across nodes by step 3, the allgather of a shard's payload of ``payload``
+    bytes over the M = ``nodes`` ranks of that shard index: the payload once; nothing with one
+    node (the allgather is over a set of one rank and no byte leaves the machine; the payload
+    still counts in ``wire_bytes``, as what compress produced)."""
+    return payload if nodes > 1 else 0
 
 
 def shards_bytes(numel, shard, local_size):

@@ -323,7 +323,8 @@ class Hierarchical:
         if kind != "sparse":
             raise RuntimeError(f"DGC: the shard of {f.name!r} was compressed as a dense tensor")
         core.count_hierarchical(node=hierarchical.scatter_bytes(n, hi - lo, lay.local_size),
-                                cross=(4 * payload.numel(), 0))
+                                cross=(hierarchical.cross_bytes(4 * payload.numel(),
+                                                                    lay.nodes_count), 0))
         f.words = payload.numel()
         f.cross = hvd.allgather_async(payload, name="dgc.cross." + f.name,
                                       process_set=lay.cross)
