@@ -51,8 +51,8 @@ check-build: install
 ## example with DGC across them (horovodrun -H hostA:1,hostB:1 over ssh, Gloo). Needs root.
 ## cluster-bench: benchmarks/synthetic_benchmark.py across them: ResNet-50 and LSTM shapes (synthetic
 ## compute), then ResNet-18 (real convolutions); Horovod dense, fp16, DGC and DDP dense, fp16, PowerSGD;
-## last, 2 ranks per host (-H hostA:2,hostB:2): ResNet-50's shapes with dense, flat DGC and
-## DGC(exchange="hierarchical"), the link's bytes per step both ways and the step time (--link-table;
+## last, 2 ranks per host (-H hostA:2,hostB:2): ResNet-50's shapes and the real ResNet-18 with dense,
+## flat DGC and DGC(exchange="hierarchical"), the link's bytes per step both ways and the step time (--link-table;
 ## HIER_ARGS="--warmup-steps 1 --steps 3" for a short run).
 RATE ?= 1gbit
 .PHONY: cluster-up cluster-down cluster-demo cluster-bench
@@ -71,9 +71,11 @@ cluster-bench: install
 	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS)
 	bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py --model resnet18 --markdown \
 	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS)
-	NP=4 HOSTS=hostA:2,hostB:2 bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py \
-	    --model resnet50 --compression none,dgc,dgc-hier --link-table --iface dgc0 \
-	    --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS) $(HIER_ARGS)
+	for m in resnet50 resnet18; do \
+	    NP=4 HOSTS=hostA:2,hostB:2 bash scripts/cluster/run.sh --gloo python benchmarks/synthetic_benchmark.py \
+	        --model $$m --compression none,dgc,dgc-hier --link-table --iface dgc0 \
+	        --bandwidth $$(cat $${DGC_CLUSTER_STATE:-/run/dgc-cluster}/rate) $(ARGS) $(HIER_ARGS) || exit 1; \
+	done
 
 ## clean-venv: remove .venv (the built Horovod wheel stays cached in ~/.cache/dgc_horovod)
 clean-venv:
