@@ -30,11 +30,12 @@ destination (Horovod's alltoall), each region's owner reduces it, and the owners
 concatenated (the allgather) and decoded; the frames' bytes are counted, not built. With
 ``DGCConfig(exchange="hierarchical")`` and ``local_size=L`` the N = L·M workers are M nodes of L
 (workers c·L … c·L+L−1 form node c) and step 1–4 are the hierarchical exchange
-(:mod:`dgc_horovod.core.hierarchical`), one tensor at a time as the PyTorch adapter
+(:mod:`dgc_horovod.core.hierarchical`), bucket by bucket as the PyTorch adapter
 (:mod:`dgc_horovod.torch.hierarchical`) runs it: each node's gradient summed in the order of
 Horovod's reduce-scatter (``hierarchical.node_sum``; × 1/L for Average), the node's finiteness
-flags counted, worker (c, j) compresses shard j of it with N = M, the M payloads of a shard
-concatenated in node order and decoded, the shards joined; the other tensors' velocities
+flags counted, worker (c, j) compresses shard j of each tensor of the bucket with N = M
+(``compress_many``) and frames the payloads, the M frames of shard index j concatenated in node
+order and decoded, the shards joined; the other tensors' velocities
 averaged over all N workers (Horovod's allreduce). With clipping every node's factor s_c comes
 first, from its workers' parts of the node's squared norm (``hierarchical.clip_part`` in plan
 order, summed in shard order by ``core.clip_scale_of_squares`` with N = M), and every worker of
@@ -275,7 +276,7 @@ class SimulatedCluster:
 
     def _hier_reduce(self, grads):
         """``exchange="hierarchical"`` (see the module docstring): {name: the update}."""
-        N, L, B, avg = self.world_size, self.local_size, self.B, self.average
+        N, L, avg = self.world_size, self.local_size, self.average
         M = N // L
         cores = [self.cores[c * L:(c + 1) * L] for c in range(M)]
         sharded = {name: hierarchical.is_sharded(p.numel(), p.dim(), L, self.config)
@@ -285,54 +286,21 @@ class SimulatedCluster:
         self.clip_scales = [s for s in scales for _ in range(L)] if clip else None
         out, dense = {}, {}
         for name, p in self.params:
-            n = p.numel()
-            if not sharded[name]:
-                flat = hierarchical.dense_flat(name, n, p.dim(), L, self.config)
-                dense[name] = [core.compress(name, g[name].reshape(-1) if flat else g[name], M,
-                                             p.detach(), avg, scales[k // L])[1]
-                               for k, (core, g) in enumerate(zip(self.cores, grads))]
-                if clip:                # reduced inside the node for the norm; a placeholder
-                    for core in self.cores:
-                        core.count_hierarchical(node=hierarchical.node_bytes(n, L))
-                        core.add_wire_bytes(PLACEHOLDER_BYTES, received=PLACEHOLDER_BYTES)
+            if sharded[name]:
                 continue
-            spans = hierarchical.shard_bounds(n, L)
-            nodes = self._node_gradients(grads, name)
-            payloads = [[None] * L for _ in range(M)]
-            ctxs = [[None] * L for _ in range(M)]
-            w = p.detach().reshape(-1)
-            for c, G in enumerate(nodes):
-                for j, (lo, hi) in enumerate(spans):
-                    view = (1,) * (p.dim() - 1) + (hi - lo,)
-                    core = cores[c][j]
-                    _, payloads[c][j], ctxs[c][j] = core.compress(
-                        name, self._shard(G, lo, hi).view(view), M, w[lo:hi].view(view), avg,
-                        scales[c])
-                    core.count_hierarchical(node=hierarchical.scatter_bytes(n, hi - lo, L),
-                                            cross=(hierarchical.cross_bytes(
-                                                4 * B.numel(payloads[c][j]), M), 0))
-            shards, finite = [], []
-            for j, (lo, hi) in enumerate(spans):
-                gathered = B.cat([payloads[c][j] for c in range(M)])
-                upd = None
-                for c in range(M):              # every node decodes (and settles its state)
-                    core = cores[c][j]
-                    core.count_hierarchical(cross=(0, 4 * (B.numel(gathered)
-                                                          - B.numel(payloads[c][j]))))
-                    res = core.finish_update(name, core.decompress(gathered, ctxs[c][j], M,
-                                                                   avg), w[lo:hi])
-                    upd = res if upd is None else upd
-                    core.count_hierarchical(node=hierarchical.shards_bytes(n, hi - lo, L))
-                shards.append(upd)
-                finite.append(B.all_finite(upd))
-            full = torch.cat(shards)
-            if not all(finite):                 # the whole tensor is skipped, as the adapter's
-                for j, ok in enumerate(finite):
-                    if ok:
-                        for c in range(M):
-                            cores[c][j].discard_sent(ctxs[c][j])
-                full.fill_(float("nan"))
-            out[name] = full
+            n = p.numel()
+            flat = hierarchical.dense_flat(name, n, p.dim(), L, self.config)
+            dense[name] = [core.compress(name, g[name].reshape(-1) if flat else g[name], M,
+                                         p.detach(), avg, scales[k // L])[1]
+                           for k, (core, g) in enumerate(zip(self.cores, grads))]
+            if clip:                    # reduced inside the node for the norm; a placeholder
+                for core in self.cores:
+                    core.count_hierarchical(node=hierarchical.node_bytes(n, L))
+                    core.add_wire_bytes(PLACEHOLDER_BYTES, received=PLACEHOLDER_BYTES)
+        planned = [(name, p) for name, p in self.params if sharded[name]]
+        for group in hierarchical.cross_buckets([p.numel() for _, p in planned],
+                                                self.config.bucket_numel):
+            out.update(self._hier_bucket([planned[i] for i in group], grads, cores, scales))
         flags = hierarchical.finite_bytes(sum(sharded.values()), L)
         for core in self.cores:         # the allreduce of the node's finiteness flags
             core.count_hierarchical(node=flags)
@@ -343,6 +311,74 @@ class SimulatedCluster:
         wd = self.cores[0].separate_weight_decay
         for name, vs in dense.items():
             out[name] = self._weight_decay(name, self._dense_reduce(vs), byname[name], wd)
+        return out
+
+    def _hier_bucket(self, bucket, grads, cores, scales):
+        """Steps 1–4 of the hierarchical exchange for one bucket of sharded tensors
+        (:func:`~dgc_horovod.core.hierarchical.cross_buckets`; ``bucket``: [(name, param)] in
+        plan order), as the PyTorch adapter runs them: every worker (c, j) compresses its shards
+        (``compress_many``) and frames their payloads; the M frames of shard index j meet in
+        node order; every node decodes them. {name: the update}."""
+        N, L, B, avg = self.world_size, self.local_size, self.B, self.average
+        M = N // L
+        spans = {name: hierarchical.shard_bounds(p.numel(), L) for name, p in bucket}
+        nodes = {name: self._node_gradients(grads, name) for name, _ in bucket}
+        frames = [[None] * L for _ in range(M)]
+        ctxs = [[None] * L for _ in range(M)]
+        for c in range(M):
+            for j in range(L):
+                core, entries = cores[c][j], []
+                for name, p in bucket:
+                    lo, hi = spans[name][j]
+                    view = (1,) * (p.dim() - 1) + (hi - lo,)
+                    entries.append((name, self._shard(nodes[name][c], lo, hi).view(view),
+                                    p.detach().reshape(-1)[lo:hi].view(view)))
+                results = core.compress_many(entries, M, avg, scales[c])
+                for (name, p), (_, payload, _) in zip(bucket, results):
+                    lo, hi = spans[name][j]
+                    core.count_hierarchical(node=hierarchical.scatter_bytes(p.numel(), hi - lo, L),
+                                            cross=(hierarchical.cross_bytes(
+                                                4 * B.numel(payload), M), 0))
+                frames[c][j] = wire.frame_bucket(B, [(m, r[1]) for m, r in enumerate(results)],
+                                                 like=results[0][1])
+                overhead = wire.frame_overhead_bytes(len(results))
+                core.add_wire_bytes(overhead)
+                core.count_hierarchical(cross=(hierarchical.cross_bytes(overhead, M), 0))
+                ctxs[c][j] = [r[2] for r in results]
+        shards = {name: [] for name, _ in bucket}
+        finite = {name: [] for name, _ in bucket}
+        for j in range(L):
+            gathered = B.cat([frames[c][j] for c in range(M)])
+            first = None
+            for c in range(M):                  # every node decodes (and settles its state)
+                core = cores[c][j]
+                core.count_hierarchical(cross=(0, 4 * (B.numel(gathered)
+                                                      - B.numel(frames[c][j]))))
+                updates = core.decompress_bucket(gathered, M, len(bucket),
+                                                 "dgc.cross." + bucket[0][0],
+                                                 {m: (ctx, None)
+                                                  for m, ctx in enumerate(ctxs[c][j])}, avg)
+                res = []
+                for m, (name, p) in enumerate(bucket):
+                    lo, hi = spans[name][j]
+                    res.append(core.finish_update(name, updates[m],
+                                                  p.detach().reshape(-1)[lo:hi]))
+                    core.count_hierarchical(node=hierarchical.shards_bytes(p.numel(), hi - lo,
+                                                                           L))
+                first = res if first is None else first
+            for (name, _), upd in zip(bucket, first):
+                shards[name].append(upd)
+                finite[name].append(B.all_finite(upd))
+        out = {}
+        for m, (name, _) in enumerate(bucket):
+            full = torch.cat(shards[name])
+            if not all(finite[name]):           # the whole tensor is skipped, as the adapter's
+                for j, ok in enumerate(finite[name]):
+                    if ok:
+                        for c in range(M):
+                            cores[c][j].discard_sent(ctxs[c][j][m])
+                full.fill_(float("nan"))
+            out[name] = full
         return out
 
     def _regions_bucket(self, payloads, contexts):

@@ -88,18 +88,40 @@ HIER_CLIP = dict(exchange="hierarchical", compress_ratio=0.05, clip_norm=0.2, we
                  warmup_steps=12, min_sparse_ndim=1, min_sparse_numel=4)
 
 
+#: bucket_numel for the hierarchical cases: one bucket of all six tensors (the default), two
+#: buckets (the test model's tensors in plan order, 10 + 320 + 32 + 2048 | 64 + 1280 elements),
+#: a bucket per tensor
+HIER_BUCKETS = {"one_bucket": None, "two_buckets": 1500, "per_tensor": 0}
+
+
 @pytest.mark.horovodrun
-def test_simulated_hierarchical_clipping_matches_horovodrun_2x2(tmp_path, one_thread):
+@pytest.mark.parametrize("buckets", list(HIER_BUCKETS))
+def test_simulated_hierarchical_clipping_matches_horovodrun_2x2(tmp_path, one_thread, buckets):
     """SimulatedCluster(local_size=2) and `horovodrun --gloo -np 4 -H localhost:2,127.0.0.1:2`
     (two nodes of two ranks): the same bits after 30 steps with the node's clipping factor,
-    and the same byte counts inside and across the nodes."""
+    and the same byte counts inside and across the nodes, with the shards' payloads sent
+    across in one bucket, two, or one per tensor (a frame each: the bytes across the nodes
+    tell the number of buckets)."""
+    from dgc_horovod.core import cost, hierarchical
+    config = dict(HIER_CLIP)
+    if HIER_BUCKETS[buckets] is not None:
+        config["bucket_numel"] = HIER_BUCKETS[buckets]
+    tensors = [(n, p.numel(), p.dim()) for n, p in list(W.make_model().named_parameters())[::-1]]
+    plan = hierarchical.cross_buckets([t[1] for t in tensors], DGCConfig(
+        environ={}, **config).bucket_numel)
+    assert [len(g) for g in plan] == {"one_bucket": [6], "two_buckets": [4, 2],
+                                      "per_tensor": [1] * 6}[buckets]
     out = tmp_path / "params.pt"
     env = {k: "" for k in os.environ if k.startswith("HOROVOD_DGC_")}
     env.update(HOROVOD_DYNAMIC_PROCESS_SETS="1", HOROVOD_FUSION_THRESHOLD="0")
-    horovodrun([WORKER, "--config", json.dumps(HIER_CLIP), "--out", str(out)], np=4,
+    horovodrun([WORKER, "--config", json.dumps(config), "--out", str(out)], np=4,
                hosts="localhost:2,127.0.0.1:2", env=env)
     real = torch.load(out, weights_only=True)
-    model, cluster = simulated(HIER_CLIP, 4, local_size=2)
+    model, cluster = simulated(config, 4, local_size=2)
+    # after the warm-up a step's frames across the nodes are what the cost model says
+    cfg = DGCConfig(environ={}, **config)
+    step = cluster.cores[0].step_stats
+    assert step.cross_node_bytes == cost.shard_payload_bytes(tensors, cfg, cluster.density, 2)[0]
     assert real["steps"] == cluster.cores[0].steps == W.STEPS
     for n, p in model.named_parameters():
         assert torch.equal(real["params"][n], p.detach()), n
@@ -109,9 +131,27 @@ def test_simulated_hierarchical_clipping_matches_horovodrun_2x2(tmp_path, one_th
     assert real["stats"] == sim
     assert real["stats"]["cross_node_bytes"] > 0 and real["stats"]["node_bytes"] > 0
     # the clipping mattered: without it the parameters differ
-    unclipped, _ = simulated(dict(HIER_CLIP, clip_norm=None), 4, local_size=2)
+    unclipped, _ = simulated(dict(config, clip_norm=None), 4, local_size=2)
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(),
                                                      unclipped.parameters()))
+
+
+@pytest.mark.unit
+def test_hierarchical_buckets_change_no_bits(one_thread):
+    """How the shards' payloads are bucketed across the nodes changes what the wire carries
+    (a frame per bucket), not what is selected or applied: the same parameters after 30 steps
+    with one bucket, two, or one per tensor; only the frames' bytes differ."""
+    runs = {}
+    for name, numel in HIER_BUCKETS.items():
+        config = dict(HIER_CLIP) if numel is None else dict(HIER_CLIP, bucket_numel=numel)
+        model, cluster = simulated(config, 4, local_size=2)
+        runs[name] = ([p.detach() for p in model.parameters()],
+                      cluster.cores[0].total_stats.cross_node_bytes)
+    one, _ = runs["one_bucket"]
+    for name, (params, _) in runs.items():
+        assert all(torch.equal(a, b) for a, b in zip(one, params)), name
+    cross = [runs[n][1] for n in ("one_bucket", "two_buckets", "per_tensor")]
+    assert cross[0] < cross[1] < cross[2], cross
 
 
 @pytest.mark.unit

@@ -8,11 +8,26 @@ use it, so they compress the same buckets in the same order.
 """
 from dgc_horovod.core.sparsify import is_sparse
 
-__all__ = ["plan_buckets"]
+__all__ = ["cut", "plan_buckets"]
+
+
+def cut(sizes, bucket_numel):
+    """The bucket rule: consecutive groups of the items of ``sizes`` (elements each, in plan
+    order), each closed once it holds ``bucket_numel`` elements or more, the last with what is
+    left; 0 makes every item its own group (a tensor is a bucket of one). Returns lists of item
+    indices."""
+    groups, group, size = [], [], 0
+    for i, numel in enumerate(sizes):
+        group.append(i)
+        size += numel
+        if size >= bucket_numel or i == len(sizes) - 1:
+            groups.append(group)
+            group, size = [], 0
+    return groups
 
 
 def plan_buckets(params, bucket_numel, config):
-    """Cut ``params`` into buckets.
+    """Cut ``params`` into buckets (:func:`cut` of their element counts).
 
     Args:
         params: sequence of (name, numel, ndim), in plan order (reverse registration order).
@@ -24,12 +39,6 @@ def plan_buckets(params, bucket_numel, config):
         them are sparsified (only those send a payload; the others go through the dense
         allreduce and never join the bucket).
     """
-    buckets, members, flags, size = [], [], [], 0
-    for i, (name, numel, ndim) in enumerate(params):
-        members.append(name)
-        flags.append(is_sparse(numel, ndim, config))
-        size += numel
-        if size >= bucket_numel or i == len(params) - 1:
-            buckets.append((members, flags))
-            members, flags, size = [], [], 0
-    return buckets
+    return [([params[i][0] for i in group], [is_sparse(params[i][1], params[i][2], config)
+                                             for i in group])
+            for group in cut([numel for _, numel, _ in params], bucket_numel)]

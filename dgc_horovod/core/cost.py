@@ -18,7 +18,8 @@ count them:
     flat DGC      a rank sends its frames F (the allgather input) and receives those of the
                   N − 1 others; the ranks of a node receive L·(N − L)·F bytes from ranks of other
                   nodes (each of its L ranks gets every remote rank's frames: L²·(M − 1)·F)
-    hierarchical  local rank j sends its shards' payloads P_j across (``cross_node_bytes``) and
+    hierarchical  local rank j sends its shards' payloads, framed per bucket, P_j across
+                  (``cross_node_bytes``) and
                   receives (M − 1)·P_j (``cross_node_received_bytes``); a node receives
                   (M − 1)·Σ_j P_j ≈ (M − 1)·F: one selection per node instead of L. Inside the
                   node rank j counts Σ (4·(n − |S_j|) + 4·|S_j|) = Σ 4·n sent over its T sharded
@@ -101,11 +102,16 @@ def _sharded(tensors, config, local_size):
 
 def shard_payload_bytes(tensors, config, density, local_size):
     """[P_j]: bytes local rank j sends across nodes per step under the hierarchical exchange,
-    the payloads of its shard S_j of every sharded tensor (j = 0 … L − 1)."""
+    the frames (``wire.frame_bytes``) of the payloads of its shard S_j of every sharded tensor,
+    one frame per bucket (:func:`~dgc_horovod.core.hierarchical.cross_buckets`; j = 0 … L − 1)."""
+    sharded = _sharded(tensors, config, local_size)
     out = [0] * local_size
-    for _, numel in _sharded(tensors, config, local_size):
-        for j, (lo, hi) in enumerate(hierarchical.shard_bounds(numel, local_size)):
-            out[j] += _payload(hi - lo, density, config)
+    for group in hierarchical.cross_buckets([numel for _, numel in sharded], config.bucket_numel):
+        for j in range(local_size):
+            out[j] += wire.frame_bytes([
+                _payload(hi - lo, density, config)
+                for lo, hi in (hierarchical.shard_bounds(sharded[i][1], local_size)[j]
+                               for i in group)])
     return out
 
 
@@ -122,7 +128,7 @@ def flat_dgc_bytes(tensors, config, density, local_size, nodes):
 
 def hierarchical_dgc_bytes(tensors, config, density, local_size, nodes):
     """The hierarchical exchange on ``nodes`` nodes of ``local_size`` ranks, per step, as its
-    statistics count them: dict(payload: [P_j] bytes of local rank j's payloads (in its
+    statistics count them: dict(payload: [P_j] bytes of local rank j's frames (in its
     ``wire_bytes``), cross: what of it goes across nodes (``cross_node_bytes``: P_j, 0 with one
     node, :func:`~dgc_horovod.core.hierarchical.cross_bytes`), cross_received: [(M − 1)·P_j] (``cross_node_received_bytes``),
     node_cross_received: (M − 1)·Σ_j P_j, node: [(sent, received)] of rank j inside the node

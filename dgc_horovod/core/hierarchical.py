@@ -71,15 +71,23 @@ reduce-scatter, :func:`scatter_bytes`: about (L−1)/L·n each way, half an allr
 2·(L−1)/L·n), then the allgather of the n float32 of Δ (:func:`shards_bytes`), and once per
 step the finiteness flags (:func:`finite_bytes`).
 
-Not yet: ``clip_scope="tensor"`` (refused by :class:`~dgc_horovod.core.config.DGCConfig`), the
-bucketed allgather (every sparsified tensor is exchanged by itself, ``bucket_numel`` is not
-used), TensorFlow.
+Buckets (:func:`cross_buckets`): step 3 sends a step's shards in buckets, as the allgather
+exchange sends its tensors: the sharded tensors in plan order cut by ``bucket_numel`` elements
+of the whole tensors (so every shard index cuts alike), each bucket's payloads of this rank's
+shards framed together (:func:`~dgc_horovod.core.wire.frame_bucket`: 8 bytes and a member word
+per payload more) and sent by one allgather across the nodes. Inside the node every tensor has
+its own collectives (Horovod's tensor fusion batches them). ``bucket_numel=0``: a tensor is a
+bucket of one (still framed).
+
+Not yet: ``clip_scope="tensor"`` (refused by :class:`~dgc_horovod.core.config.DGCConfig`),
+TensorFlow.
 """
 from dgc_horovod.core.accumulate import squared_norm
+from dgc_horovod.core.buckets import cut
 from dgc_horovod.core.sparsify import is_sparse
 
 __all__ = ["shard_bounds", "node_sum", "is_sharded", "dense_flat", "node_layout", "node_bytes",
-           "scatter_bytes", "finite_bytes", "cross_bytes", "shards_bytes", "clip_part", "clip_bytes",
+           "scatter_bytes", "finite_bytes", "cross_bytes", "cross_buckets", "shards_bytes", "clip_part", "clip_bytes",
            "LAYOUT_FIELDS", "SHARD_RULE"]
 
 #: The name of :func:`shard_bounds`'s rule, kept in checkpoints (the layout): a rank's state is
@@ -125,6 +133,14 @@ def cross_bytes(payload, nodes):
     node (the allgather is over a set of one rank and no byte leaves the machine; the payload
     still counts in ``wire_bytes``, as what compress produced)."""
     return payload if nodes > 1 else 0
+
+
+def cross_buckets(numels, bucket_numel):
+    """Step 3's buckets: the step's sharded tensors in plan order, ``numels`` the elements of
+    each whole tensor, cut by the bucket rule (:func:`~dgc_horovod.core.buckets.cut`); lists of
+    indices into ``numels``. Every rank of a shard index across the nodes cuts alike (the same
+    tensors, the same sizes), so a bucket's frames meet in one allgather."""
+    return cut(numels, bucket_numel)
 
 
 def shards_bytes(numel, shard, local_size):

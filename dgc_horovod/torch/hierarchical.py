@@ -11,8 +11,8 @@ which needs Horovod started with dynamic process sets: ``hvd.init(process_sets="
 ``hvd.init(process_sets=[...])``, or the global one, is used as it is). Without dynamic process
 sets, and a set missing, every rank raises a ValueError saying so before any set is added.
 
-Per sparsified tensor (:func:`~dgc_horovod.core.hierarchical.is_sharded`), one tensor at a time
-(buckets are not used):
+Per sparsified tensor (:func:`~dgc_horovod.core.hierarchical.is_sharded`); across the nodes
+in buckets (:func:`~dgc_horovod.core.hierarchical.cross_buckets`):
 
 1. ``compress``: ``hvd.reducescatter_async`` of the flat float32 gradient inside the node
    (``dgc.node.<name>``; op Average or Sum, as the optimizer's): this rank receives its shard of
@@ -22,12 +22,14 @@ Per sparsified tensor (:func:`~dgc_horovod.core.hierarchical.is_sharded`), one t
 2. at the step's first ``decompress``: every tensor started is waited for, in the order they
    started; the node agrees on which node gradients are non-finite (``dgc.finite.node``: an
    allreduce inside the node of one int32 per sharded tensor, this rank's shard having a
-   NaN/Inf; a tensor flagged anywhere is all NaN in every rank's shard); then for each tensor,
-   in the same order, this rank's shard is compressed (``DGCCore.compress`` with N = M nodes) and
-   the allgather of its payload across the nodes started (``dgc.cross.<name>``); then, in the
-   same order, wait for each, decode it (``DGCCore.decompress``: 1/M under Average), apply the
-   separate weight decay to the shard (``DGCCore.finish_update``) and start the allgather of the
-   decoded shard inside the node (``dgc.shards.<name>``).
+   NaN/Inf; a tensor flagged anywhere is all NaN in every rank's shard); then for each bucket
+   of the sharded tensors (plan order), this rank's shards are compressed
+   (``DGCCore.compress_many`` with N = M nodes), their payloads framed
+   (``wire.frame_bucket``) and one allgather of the frame across the nodes started
+   (``dgc.cross.<first tensor's name>``); then, bucket after bucket, wait for it, decode each
+   member (``DGCCore.decompress_bucket``: 1/M under Average), apply the separate weight decay
+   to the shard (``DGCCore.finish_update``) and start the allgather of the decoded shard inside
+   the node (``dgc.shards.<name>``).
 3. each ``decompress`` waits for its tensor's allgather inside the node: the whole update.
 
 With clipping (``clip_norm``, ``clip_scope="global"``; the equations: the core module) every
@@ -60,7 +62,7 @@ import horovod.torch as hvd
 import torch
 
 from dgc_horovod.adapter import under_elastic
-from dgc_horovod.core import PLACEHOLDER_BYTES, hierarchical
+from dgc_horovod.core import PLACEHOLDER_BYTES, hierarchical, wire
 from dgc_horovod.torch.exchange import _wait
 from dgc_horovod.torch.params import reduced_parameters
 
@@ -77,17 +79,27 @@ class HierarchicalPending:
         self.flight, self.shape, self.dtype = flight, shape, dtype
 
 
+class _Crossing:
+    """One bucket's allgather across the nodes: its ``flights`` in plan order, the ``handle``,
+    and the ``words`` of this rank's frame."""
+
+    __slots__ = ("flights", "handle", "words")
+
+    def __init__(self, flights, handle, words):
+        self.flights, self.handle, self.words = flights, handle, words
+
+
 class _Flight:
     """One tensor's three collectives: ``node`` (the reduce-scatter inside the node; for a tensor
     that is not sharded, with clipping, the allreduce), ``cross`` (the
-    allgather across nodes), ``shards`` (the allgather of the decoded shards inside the node, or
+    allgather across nodes: its bucket's :class:`_Crossing`), ``shards`` (the allgather of the decoded shards inside the node, or
     for a tensor that is not sharded, with clipping, DGC's allreduce of its velocity);
     ``ctx`` the core's SparseContext; ``update`` the decoded shard; ``error`` what advancing it
     raised; ``own`` (a tensor that is not sharded, with clipping) this rank's gradient as the
     core takes it; ``G`` the node's gradient and ``shard`` this rank's part of it, between the
     node reduction and compress; ``numel`` the tensor's elements."""
 
-    __slots__ = ("name", "param", "average", "ndim", "node", "cross", "shards", "ctx", "words",
+    __slots__ = ("name", "param", "average", "ndim", "node", "cross", "shards", "ctx",
                  "update", "error", "bounds", "own", "G", "shard", "sharded", "numel")
 
     def __init__(self, name, param, average, ndim, numel, node, own=None):
@@ -96,7 +108,6 @@ class _Flight:
         self.cross = self.shards = self.ctx = self.update = self.error = self.bounds = None
         self.G = self.shard = None
         self.own, self.sharded = own, own is None
-        self.words = 0
 
 
 def _existing_sets():
@@ -190,7 +201,7 @@ class Hierarchical:
         self.layout = None
         self._order = {}            # name -> plan position (reversed registration order)
         self._started = []          # flights whose node reduction has not been advanced
-        self._crossing = []         # flights whose allgather across nodes has not been advanced
+        self._crossing = []         # buckets whose allgather across nodes has not been advanced
         self._lock = threading.Lock()
 
     def layout_dict(self):
@@ -297,82 +308,118 @@ class Hierarchical:
                               process_set=lay.local)
         return core.clip_scale_of_squares(parts.tolist(), lay.nodes_count, flights[0].average)
 
-    def _select(self, f, clip_scale=None):
-        """Step 2a (lock held): this rank's shard compressed → its allgather across the nodes;
-        with clipping, a tensor that is not sharded: its velocity → DGC's allreduce."""
+    def _select_dense(self, f, clip_scale):
+        """Step 2a for a tensor that is not sharded, with clipping (lock held): its velocity
+        from this rank's own gradient → DGC's allreduce over every rank."""
         core, lay = self._core, self.layout
-        n = f.numel
         f.G = None
-        if not f.sharded:               # clipping: not sharded, reduced for the norm only
-            kind, out, _ = core.compress(f.name, f.own, lay.nodes_count, f.param, f.average,
-                                         clip_scale)
-            f.own = None
-            core.count_hierarchical(node=hierarchical.node_bytes(n, lay.local_size))
-            # Horovod's own allreduce carries a placeholder for it, both ways
-            core.add_wire_bytes(PLACEHOLDER_BYTES, received=PLACEHOLDER_BYTES)
-            f.shards = hvd.allreduce_async(out, name="dgc.dense." + f.name,
-                                           op=hvd.Average if f.average else hvd.Sum)
-            return
-        lo, hi = f.bounds
-        shape = (1,) * (f.ndim - 1) + (hi - lo,)
-        param = None if f.param is None else f.param.reshape(-1)[lo:hi]
-        kind, payload, f.ctx = core.compress(f.name, f.shard.view(shape), lay.nodes_count,
-                                             None if param is None else param.view(shape),
-                                             f.average, clip_scale)
-        f.shard = None
-        if kind != "sparse":
-            raise RuntimeError(f"DGC: the shard of {f.name!r} was compressed as a dense tensor")
-        core.count_hierarchical(node=hierarchical.scatter_bytes(n, hi - lo, lay.local_size),
-                                cross=(hierarchical.cross_bytes(4 * payload.numel(),
-                                                                    lay.nodes_count), 0))
-        f.words = payload.numel()
-        f.cross = hvd.allgather_async(payload, name="dgc.cross." + f.name,
-                                      process_set=lay.cross)
-        self._crossing.append(f)
+        kind, out, _ = core.compress(f.name, f.own, lay.nodes_count, f.param, f.average,
+                                     clip_scale)
+        f.own = None
+        core.count_hierarchical(node=hierarchical.node_bytes(f.numel, lay.local_size))
+        # Horovod's own allreduce carries a placeholder for it, both ways
+        core.add_wire_bytes(PLACEHOLDER_BYTES, received=PLACEHOLDER_BYTES)
+        f.shards = hvd.allreduce_async(out, name="dgc.dense." + f.name,
+                                       op=hvd.Average if f.average else hvd.Sum)
 
-    def _decode(self, f):
-        """Step 2b (lock held): the nodes' payloads of this shard decoded, weight decay, the
-        allgather of the shard inside the node."""
+    def _send(self, bucket, clip_scale=None):
+        """Step 2a for a bucket of sharded tensors (lock held; ``bucket``: their flights in
+        plan order): this rank's shards compressed (``DGCCore.compress_many``, N = M), their
+        payloads framed (``wire.frame_bucket``) → one allgather across the nodes, named after
+        the bucket's first tensor (``dgc.cross.<name>``)."""
         core, lay = self._core, self.layout
-        gathered = _wait(f.cross)
-        f.cross = None
-        core.count_hierarchical(cross=(0, 4 * (gathered.numel() - f.words)))
-        lo, hi = f.bounds
-        update = core.decompress(gathered, f.ctx, lay.nodes_count, f.average)
-        param = None if f.param is None else f.param.reshape(-1)[lo:hi]
-        f.update = core.finish_update(f.name, update, param)
-        f.shards = hvd.allgather_async(f.update, name="dgc.shards." + f.name,
-                                       process_set=lay.local)
+        entries = []
+        for f in bucket:
+            lo, hi = f.bounds
+            shape = (1,) * (f.ndim - 1) + (hi - lo,)
+            param = None if f.param is None else f.param.reshape(-1)[lo:hi].view(shape)
+            entries.append((f.name, f.shard.view(shape), param))
+            f.G = None
+        results = core.compress_many(entries, lay.nodes_count, bucket[0].average, clip_scale)
+        payloads = []
+        for f, (kind, payload, ctx) in zip(bucket, results):
+            f.shard, f.ctx = None, ctx
+            if kind != "sparse":
+                raise RuntimeError(f"DGC: the shard of {f.name!r} was compressed as a dense "
+                                   "tensor")
+            lo, hi = f.bounds
+            core.count_hierarchical(node=hierarchical.scatter_bytes(f.numel, hi - lo,
+                                                                    lay.local_size),
+                                    cross=(hierarchical.cross_bytes(4 * payload.numel(),
+                                                                    lay.nodes_count), 0))
+            payloads.append(payload)
+        frame = wire.frame_bucket(core.B, list(enumerate(payloads)), like=payloads[0])
+        overhead = wire.frame_overhead_bytes(len(payloads))
+        core.add_wire_bytes(overhead)
+        core.count_hierarchical(cross=(hierarchical.cross_bytes(overhead, lay.nodes_count), 0))
+        crossing = _Crossing(bucket, hvd.allgather_async(frame, name="dgc.cross." + bucket[0].name,
+                                                         process_set=lay.cross), frame.numel())
+        for f in bucket:
+            f.cross = crossing
+        self._crossing.append(crossing)
+
+    def _decode(self, crossing):
+        """Step 2b for a bucket (lock held): the nodes' frames split and each member's payloads
+        decoded (``DGCCore.decompress_bucket``: 1/M under Average), weight decay, the allgather
+        of each decoded shard inside the node."""
+        core, lay = self._core, self.layout
+        gathered = _wait(crossing.handle)
+        crossing.handle = None
+        bucket = crossing.flights
+        core.count_hierarchical(cross=(0, 4 * (gathered.numel() - crossing.words)))
+        updates = core.decompress_bucket(gathered, lay.nodes_count, len(bucket),
+                                         "dgc.cross." + bucket[0].name,
+                                         {m: (f.ctx, None) for m, f in enumerate(bucket)},
+                                         bucket[0].average)
+        for m, f in enumerate(bucket):
+            f.cross = None
+            lo, hi = f.bounds
+            param = None if f.param is None else f.param.reshape(-1)[lo:hi]
+            f.update = core.finish_update(f.name, updates[m], param)
+            f.shards = hvd.allgather_async(f.update, name="dgc.shards." + f.name,
+                                           process_set=lay.local)
 
     def _advance(self):
-        """Steps 2a and 2b of every tensor started (lock held), each in start order: every
-        node reduction waited for, the node's finiteness flags, with clipping the node's
-        factor, then each tensor's selection; then each decode."""
+        """Steps 2a and 2b of every tensor started (lock held): every node reduction waited
+        for (in start order), the node's finiteness flags, with clipping the node's factor;
+        then each tensor that is not sharded (clipping) and each bucket of sharded ones
+        (:func:`~dgc_horovod.core.hierarchical.cross_buckets`, plan order) sent; then each
+        bucket decoded."""
         if self._started:
             flights, self._started = self._started, []
             clip = self._core.needs_clip_scale
-            done = 0
+            sent = set()
             try:
                 for f in flights:
                     self._reduce(f)
                 self._agree_finite(flights)
                 scale = self._clip_scale(flights) if clip else None
                 for f in flights:
-                    self._select(f, scale)
-                    done += 1
+                    if not f.sharded:
+                        self._select_dense(f, scale)
+                        sent.add(id(f))
+                planned = sorted((f for f in flights if f.sharded),
+                                 key=lambda f: self._order.get(f.name, len(self._order)))
+                for group in hierarchical.cross_buckets([f.numel for f in planned],
+                                                        self._core.config.bucket_numel):
+                    bucket = [planned[i] for i in group]
+                    self._send(bucket, scale)
+                    sent.update(id(f) for f in bucket)
                 if clip:
                     self._core.count_hierarchical(node=hierarchical.clip_bytes(
                         self.layout.local_size))
             except BaseException as e:
-                for f in flights[done:]:    # the tensors not sent raise it
-                    f.error = e
+                for f in flights:           # the tensors not sent raise it
+                    if id(f) not in sent:
+                        f.error = e
                 raise
         while self._crossing:
-            f = self._crossing.pop(0)
+            crossing = self._crossing.pop(0)
             try:
-                self._decode(f)
+                self._decode(crossing)
             except BaseException as e:
-                f.error = e
+                for f in crossing.flights:
+                    f.error = e
                 raise
 
     def receive(self, pending):
