@@ -192,6 +192,8 @@ class DGCAdapter:
     _hvd = None          # the adapter's Horovod module (horovod.torch / horovod.tensorflow)
     #: the values of ``DGCConfig.exchange`` this adapter implements
     exchanges = ("allgather",)
+    #: why an exchange this adapter lacks is not there (appended to the refusal)
+    _missing_exchanges = {}
     _own_kwargs = ()     # keyword arguments the adapter takes besides DGCConfig's
     #: the adapter's advice instead of a copy (Horovod Elastic, checkpoints)
     _copy_hint = "to checkpoint, save dgc.state_dict()"
@@ -215,7 +217,8 @@ class DGCAdapter:
             raise ValueError(f"exchange={self.config.exchange!r}"
                              f"{self.config._from('exchange')} is not available in "
                              f"{type(self).__module__}; it supports "
-                             f"{', '.join(map(repr, self.exchanges))}")
+                             f"{', '.join(map(repr, self.exchanges))}"
+                             f"{self._missing_exchanges.get(self.config.exchange, '')}")
         self._core = core_class(self.config, backend)
         hvd = self._hvd
         self._session = self._horovod_session() if hvd.is_initialized() else None

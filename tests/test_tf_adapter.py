@@ -57,6 +57,14 @@ def test_loss_scaler_is_refused_with_the_reason():
         DGC(loss_scaler=tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD()))
 
 
+@pytest.mark.parametrize("exchange", ["regions", "hierarchical"])
+def test_pytorch_only_exchanges_are_refused_with_the_reason(exchange):
+    with pytest.raises(ValueError, match=rf"exchange='{exchange}' is not available in "
+                       r"dgc_horovod.tensorflow; it supports 'allgather'\. It runs in "
+                       r"dgc_horovod.torch only: .*graph ops"):
+        DGC(exchange=exchange)
+
+
 @pytest.mark.parametrize("in_graph", [True, False])
 def test_sketch_clipping_is_refused_as_pytorch_only(in_graph):
     with pytest.raises(ValueError, match="clip_scope='sketch' is available in PyTorch only"):

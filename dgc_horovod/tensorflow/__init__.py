@@ -186,6 +186,11 @@ class DGC(DGCAdapter, Compressor):
     def _elastic_sync_more(self):
         self._models.sync()     # the model signatures already compared
 
+    _missing_exchanges = dict.fromkeys(("regions", "hierarchical"), (
+        ". It runs in dgc_horovod.torch only: this adapter's exchange is graph ops in Horovod's "
+        "graph (dgc_horovod/tensorflow/graph.py) and that one is not written as graph ops; for "
+        "multi-GPU nodes (exchange='hierarchical') use PyTorch, or 'allgather' here"))
+
     _copy_hint = ("For Horovod Elastic, pass it to a state of dgc_horovod.tensorflow.elastic "
                   "(TensorFlowKerasState, TensorFlowState or KerasState; Horovod's own would "
                   "pickle it), whose commit, restore and sync carry it; to checkpoint, save "
