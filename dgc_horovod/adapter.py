@@ -370,8 +370,8 @@ class DGCAdapter:
             state_dict (dict): what :meth:`state_dict` returned on this rank.
             reset_residuals (bool): keep config, warm-up position and statistics, but
                 drop every u and v (they restart at zero); the way to resume with a different
-                number of ranks. The dropped residual is gradient that is never applied: a small
-                one-off perturbation.
+                number of ranks, or with another ``exchange``. The dropped residual is gradient
+                that is never applied: a small one-off perturbation.
             process_set: the Horovod process set DGC runs in (default: the global one).
         Raises:
             ValueError: a different config (names the differing keys); a different world size or

@@ -347,6 +347,29 @@ def test_load_with_changed_config_names_the_keys():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("exchange", ["hierarchical", "regions"])
+def test_another_exchange_loads_only_with_reset_residuals(exchange):
+    """A checkpoint of the allgather exchange into a DGC of another exchange (e.g. a job moved
+    to multi-GPU nodes): refused with both ways out named; with reset_residuals=True it loads
+    (warm-up position and statistics kept, the residuals restart at zero). Another setting
+    that differs too still refuses."""
+    sd = trained_state()
+    core = DGCCore(DGCConfig(**dict(CFG, exchange=exchange)), BACKENDS["numpy"])
+    with pytest.raises(ValueError, match=r"exchange differ.*DGCConfig\(\*\*state_dict\['config'\]\); "
+                       r"or, to change exchange and keep the warm-up position, load with "
+                       r"reset_residuals=True"):
+        core.load_state_dict(sd, world_size=2, rank=0)
+    assert untouched(core)
+    core.load_state_dict(sd, world_size=2, rank=0, reset_residuals=True)
+    assert core.states == {} and core.epoch == sd["epoch"] and core.total_stats.steps == 4
+    other = DGCCore(DGCConfig(**dict(CFG, exchange=exchange, nesterov=True)), BACKENDS["numpy"])
+    with pytest.raises(ValueError, match=r"\(nesterov differ: nesterov: saved False, now True\); "
+                       r"create DGC with the saved settings, DGCConfig\(\*\*state_dict\['config'\]\)$"):
+        other.load_state_dict(sd, world_size=2, rank=0, reset_residuals=True)
+    assert untouched(other)
+
+
+@pytest.mark.unit
 def test_load_with_other_world_size_or_rank_is_refused():
     sd = trained_state(world_size=2, rank=1)
     core = DGCCore(DGCConfig(**CFG), BACKENDS["numpy"])

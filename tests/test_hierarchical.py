@@ -431,6 +431,13 @@ def test_statistics_inside_and_across_nodes():
         assert (s.cross_node_bytes, s.cross_node_received_bytes) == (40, 120)
         # the payload sent across was counted by compress: not again in wire_bytes
         assert (s.wire_bytes, s.received_bytes) == (600, 720)
+    # print(dgc.stats) shows them (the other exchanges' repr is unchanged)
+    rec.total.steps = 1
+    assert repr(rec.total).endswith(", node_bytes=600/600 (sent/received), "
+                                    "cross_node_bytes=40/120)")
+    plain = StatsRecorder().total
+    plain.steps = 1
+    assert "CompressionStats(steps=1" in repr(plain) and "node_bytes" not in repr(plain)
 
 
 # ------------------------------------------------------------------ the simulated cluster

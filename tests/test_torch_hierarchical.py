@@ -157,6 +157,12 @@ def test_checkpoint_holds_the_shard_and_refuses_another_layout(run):
     assert r["numels"] == {"ck.fc1.weight": 4096, "ck.fc2.weight": 640, "ck.aux.weight": 640}
     assert "node layout" in r["refused"] and "reset_residuals=True" in r["refused"]
     assert r["resumed_equal"]
+    # a flat exchange's checkpoint: refused for its config (not its missing layout), with the
+    # switch named; loaded with reset_residuals=True, the step count goes on and replicas agree
+    assert "exchange differ" in r["flat_refused"] and "node layout" not in r["flat_refused"]
+    assert "to change exchange and keep the warm-up position" in r["flat_refused"]
+    assert r["switched"]["steps"] == 2 + 3 and r["switched"]["finite"]
+    assert r["switched"]["identical"]
 
 
 @pytest.mark.parametrize("L", [3, 4])

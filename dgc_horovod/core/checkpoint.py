@@ -11,7 +11,7 @@ before the core changes anything.
 from collections.abc import Mapping
 
 from dgc_horovod.core import wire
-from dgc_horovod.core.config import config_diff
+from dgc_horovod.core.config import RESETTABLE_OPTIONS, config_diff
 from dgc_horovod.core.sparsify import is_sparse
 from dgc_horovod.core.stats import ADDED_FIELDS, CompressionStats, StatsRecorder
 from dgc_horovod.core.warmup import density_at
@@ -106,14 +106,19 @@ def read(B, config, state_dict, world_size=None, rank=None, reset_residuals=Fals
     if not isinstance(saved, dict):
         raise ValueError("DGC state_dict 'config' must be a dict (DGCConfig.to_dict())")
     saved = {**ADDED_OPTIONS, **saved}
-    differ = config_diff(saved, now)
+    differ = [k for k in config_diff(saved, now)
+              if not (reset_residuals and k in RESETTABLE_OPTIONS)]
     if differ:
         detail = "; ".join(f"{k}: saved {saved.get(k, '<absent>')!r}, now "
                            f"{now.get(k, '<absent>')!r}" for k in differ)
+        switch = [k for k in differ if k in RESETTABLE_OPTIONS]
+        hint = (f"; or, to change {', '.join(switch)} and keep the warm-up position, load with "
+                "reset_residuals=True (the residuals restart at zero)"
+                if switch and len(switch) == len(differ) else "")
         raise ValueError(f"DGC checkpoint was saved with a different config "
                          f"({', '.join(differ)} differ: {detail}); create DGC with the "
                          "saved settings, "
-                         "DGCConfig(**state_dict['config'])")
+                         f"DGCConfig(**state_dict['config']){hint}")
     saved_ws, saved_rank = state_dict["world_size"], state_dict["rank"]
     if not reset_residuals:
         if None not in (saved_ws, world_size) and saved_ws != world_size:

@@ -105,6 +105,10 @@ _ENGINES = ("auto", "c", "triton", "ops")
 #: Options that change how a rank computes, never what: left out of the comparisons of
 #: :func:`config_diff` (checkpoints, ranks of one job).
 LOCAL_OPTIONS = ("engine",)
+#: Options a checkpoint loaded with ``reset_residuals=True`` may change: they decide how each
+#: rank's residuals are laid out (the whole tensor, or its shard of the node's gradient), and
+#: those restart at zero; the warm-up position and the statistics mean the same under each.
+RESETTABLE_OPTIONS = ("exchange",)
 
 #: The largest seed (a signed 64-bit integer, as earlier versions took; sparsify.seed_key hashes it).
 SEED_MAX = 2 ** 63 - 1

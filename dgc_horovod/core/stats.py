@@ -33,7 +33,9 @@ class CompressionStats:
             as wire_bytes counts its input. With N ranks about (N - 1) times the sparse part of
             wire_bytes.
         dense_bytes (int): bytes a dense fp32 allreduce of the same gradients would carry.
-        nonfinite_tensors (int): tensors whose local gradient had NaN/Inf (not accumulated).
+        nonfinite_tensors (int): tensors whose local gradient had NaN/Inf (not accumulated); with
+            ``exchange="hierarchical"``, whose node gradient did (every rank of the node counts
+            it, as each compresses its shard of it).
         overflowed_entries (int): with ``wire_values="float16"``, selected values beyond
             float16's range (|v| >= 65520, which a float16 cast makes ±inf): sent as ±inf, so
             the step's update is non-finite on every rank (see :mod:`dgc_horovod.core.precision`).
@@ -103,12 +105,16 @@ class CompressionStats:
         fp16 = (f", overflowed_entries={self.overflowed_entries}, "
                 f"flushed_entries={self.flushed_entries}"
                 if self.overflowed_entries or self.flushed_entries else "")
+        hier = (f", node_bytes={self.node_bytes}/{self.node_received_bytes} (sent/received), "
+                f"cross_node_bytes={self.cross_node_bytes}/{self.cross_node_received_bytes}"
+                if self.node_bytes or self.cross_node_bytes or self.cross_node_received_bytes
+                else "")
         return (f"CompressionStats(steps={self.steps}, tensors={self.tensors}, "
                 f"selected={self.selected}/{self.elements}, wire_bytes={self.wire_bytes}, "
                 f"received_bytes={self.received_bytes}, dense_bytes={self.dense_bytes}, "
                 f"ratio={self.ratio:.1f}x, received_ratio={self.received_ratio:.1f}x, "
                 f"density={self.density:.6g}, nonfinite_tensors={self.nonfinite_tensors}, "
-                f"compress_seconds={self.compress_seconds:.6g}{fp16})")
+                f"compress_seconds={self.compress_seconds:.6g}{fp16}{hier})")
 
 
 def _allreduced_bytes(st):

@@ -199,7 +199,7 @@ class DGC(DGCAdapter, Compressor):
         if self._hier is not None and not reset_residuals and isinstance(state_dict, dict):
             now = self._hier.layout_dict()
             saved = state_dict.get("layout")
-            if saved != now:
+            if saved is not None and saved != now:  # none: another exchange's (config check)
                 raise ValueError(
                     f"DGC checkpoint was saved with the node layout {saved} (local_size: ranks "
                     f"per node, nodes, shard: this rank's place in its node, shards: the rule that "

@@ -239,6 +239,25 @@ def scenario_checkpoint(results):
     train(model, opt, steps=3, data_seed=7 + hvd.rank())
     train(twin, topt, steps=3, data_seed=7 + hvd.rank())
     out["resumed_equal"] = bool((flat_params(model) == flat_params(twin)).all())
+    # a checkpoint of the allgather exchange (a job moving to multi-GPU nodes): the config's
+    # refusal with the way to switch, then that way (residuals restart at zero)
+    flat = DGC(**SETTINGS)
+    fmodel, fopt = make("ck", flat)
+    train(fmodel, fopt, steps=2)
+    fsd = flat.state_dict()
+    moved = DGC(exchange="hierarchical", **SETTINGS)
+    try:
+        moved.load_state_dict(fsd)
+        out["flat_refused"] = None
+    except ValueError as e:
+        out["flat_refused"] = str(e)
+    moved.load_state_dict(fsd, reset_residuals=True)
+    mmodel, mopt = make("ck", moved)
+    mmodel.load_state_dict(fmodel.state_dict())
+    losses = train(mmodel, mopt, steps=3)
+    out["switched"] = {"steps": int(moved.total_stats.steps), "finite": bool(all(
+        torch.isfinite(p).all() for p in mmodel.parameters())),
+        "identical": identical_across_ranks(mmodel), "losses": losses}
     results["checkpoint"] = out
 
 
