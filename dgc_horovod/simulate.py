@@ -334,16 +334,14 @@ class SimulatedCluster:
                     entries.append((name, self._shard(nodes[name][c], lo, hi).view(view),
                                     p.detach().reshape(-1)[lo:hi].view(view)))
                 results = core.compress_many(entries, M, avg, scales[c])
-                for (name, p), (_, payload, _) in zip(bucket, results):
+                for name, p in bucket:
                     lo, hi = spans[name][j]
-                    core.count_hierarchical(node=hierarchical.scatter_bytes(p.numel(), hi - lo, L),
-                                            cross=(hierarchical.cross_bytes(
-                                                4 * B.numel(payload), M), 0))
+                    core.count_hierarchical(node=hierarchical.scatter_bytes(p.numel(), hi - lo, L))
                 frames[c][j] = wire.frame_bucket(B, [(m, r[1]) for m, r in enumerate(results)],
                                                  like=results[0][1])
-                overhead = wire.frame_overhead_bytes(len(results))
-                core.add_wire_bytes(overhead)
-                core.count_hierarchical(cross=(hierarchical.cross_bytes(overhead, M), 0))
+                core.add_wire_bytes(wire.frame_overhead_bytes(len(results)))
+                core.count_hierarchical(cross=(hierarchical.cross_bytes(
+                    4 * B.numel(frames[c][j]), M), 0))
                 ctxs[c][j] = [r[2] for r in results]
         shards = {name: [] for name, _ in bucket}
         finite = {name: [] for name, _ in bucket}

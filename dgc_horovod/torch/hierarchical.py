@@ -301,12 +301,16 @@ class Hierarchical:
         this rank's part of the node's squared norm over ``flights`` (every tensor of the step,
         reduced), the L parts allgathered and summed in shard order."""
         core, lay = self._core, self.layout
-        planned = sorted(flights, key=lambda f: self._order.get(f.name, len(self._order)))
+        planned = self._in_plan_order(flights)
         part = hierarchical.clip_part(core.B, [f.shard for f in planned if f.sharded],
                                       [f.G for f in planned if not f.sharded], lay.shard)
         parts = hvd.allgather(torch.tensor([part], dtype=torch.float64), name="dgc.clip.node",
                               process_set=lay.local)
         return core.clip_scale_of_squares(parts.tolist(), lay.nodes_count, flights[0].average)
+
+    def _in_plan_order(self, flights):
+        """``flights`` sorted by their tensors' plan positions (the same order on every rank)."""
+        return sorted(flights, key=lambda f: self._order.get(f.name, len(self._order)))
 
     def _select_dense(self, f, clip_scale):
         """Step 2a for a tensor that is not sharded, with clipping (lock held): its velocity
@@ -344,14 +348,13 @@ class Hierarchical:
                                    "tensor")
             lo, hi = f.bounds
             core.count_hierarchical(node=hierarchical.scatter_bytes(f.numel, hi - lo,
-                                                                    lay.local_size),
-                                    cross=(hierarchical.cross_bytes(4 * payload.numel(),
-                                                                    lay.nodes_count), 0))
+                                                                    lay.local_size))
             payloads.append(payload)
         frame = wire.frame_bucket(core.B, list(enumerate(payloads)), like=payloads[0])
-        overhead = wire.frame_overhead_bytes(len(payloads))
-        core.add_wire_bytes(overhead)
-        core.count_hierarchical(cross=(hierarchical.cross_bytes(overhead, lay.nodes_count), 0))
+        # the payloads are in wire_bytes already (compress); the frame's own words added
+        core.add_wire_bytes(wire.frame_overhead_bytes(len(payloads)))
+        core.count_hierarchical(cross=(hierarchical.cross_bytes(4 * frame.numel(),
+                                                                lay.nodes_count), 0))
         crossing = _Crossing(bucket, hvd.allgather_async(frame, name="dgc.cross." + bucket[0].name,
                                                          process_set=lay.cross), frame.numel())
         for f in bucket:
@@ -388,7 +391,6 @@ class Hierarchical:
         if self._started:
             flights, self._started = self._started, []
             clip = self._core.needs_clip_scale
-            sent = set()
             try:
                 for f in flights:
                     self._reduce(f)
@@ -397,20 +399,17 @@ class Hierarchical:
                 for f in flights:
                     if not f.sharded:
                         self._select_dense(f, scale)
-                        sent.add(id(f))
-                planned = sorted((f for f in flights if f.sharded),
-                                 key=lambda f: self._order.get(f.name, len(self._order)))
+                planned = self._in_plan_order(f for f in flights if f.sharded)
                 for group in hierarchical.cross_buckets([f.numel for f in planned],
                                                         self._core.config.bucket_numel):
                     bucket = [planned[i] for i in group]
                     self._send(bucket, scale)
-                    sent.update(id(f) for f in bucket)
                 if clip:
                     self._core.count_hierarchical(node=hierarchical.clip_bytes(
                         self.layout.local_size))
             except BaseException as e:
-                for f in flights:           # the tensors not sent raise it
-                    if id(f) not in sent:
+                for f in flights:           # the tensors not sent (no collective) raise it
+                    if f.cross is None and f.shards is None:
                         f.error = e
                 raise
         while self._crossing:
